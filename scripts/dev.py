@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""One entry point for a fresh machine: creates .venv, installs Stitch, then runs the demo or the tests.
+
+    python3 scripts/dev.py demo     # set up + run the demo
+    python3 scripts/dev.py test     # set up + run lint and the whole test suite
+
+Only Python 3.11+ is assumed. torch is pinned to the CPU build 2.13.0 so that pip does not pull a
+multi-GB CUDA build on machines without a GPU (override with STITCH_TORCH_SPEC).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("STITCH_VENV", ROOT / ".venv"))
+PY = VENV / "bin" / "python"
+TORCH_SPEC = os.environ.get("STITCH_TORCH_SPEC", "torch==2.13.0")
+STAMP = VENV / ".stitch-installed"
+
+
+def run(*cmd: str | os.PathLike, **kw) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, **kw)
+
+
+def setup() -> None:
+    if not PY.exists():
+        run(sys.executable, "-m", "venv", VENV)
+    pyproject = (ROOT / "pyproject.toml").stat().st_mtime
+    if STAMP.exists() and STAMP.stat().st_mtime >= pyproject:
+        return
+    run(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    run(PY, "-m", "pip", "install", "-q", TORCH_SPEC)
+    run(PY, "-m", "pip", "install", "-q", "-e", ".[test]")
+    STAMP.touch()
+
+
+def main() -> int:
+    what = sys.argv[1] if len(sys.argv) > 1 else "test"
+    setup()
+    env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    if what == "setup":
+        return 0
+    if what == "test":
+        run(PY, "-m", "ruff", "check", ".", env=env)
+        run(PY, "-m", "pytest", "-q", *sys.argv[2:], env=env)
+        return 0
+    if what == "demo":
+        run(PY, ROOT / "scripts" / "demo.py", *sys.argv[2:], env=env)
+        return 0
+    print(f"unknown command {what!r}; use demo | test | setup", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as e:
+        sys.exit(e.returncode or 1)

@@ -1,0 +1,376 @@
+"""diff(base, new) -> Patch and apply(base, patch) -> new, over dicts of tensors in HF layout.
+
+Every tensor of both versions appears in the patch header with its fingerprints, so `apply`
+proves the whole result, not just the changed tensors: a wrong base, a wrong model or a corrupt
+payload is rejected with a PatchError and nothing is returned (or, in place, everything undone).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from . import __version__, codec, dtypes
+from . import fingerprint as fpr
+from .codec import CodecError
+from .header import Chunk, PatchHeader, TensorEntry
+from .stp import PatchError, PatchReader, PatchWriter
+
+DEFAULT_CHUNK_SPAN = 1 << 22
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _spans(numel: int, span: int) -> Iterable[tuple[int, int]]:
+    return ((s, min(s + span, numel)) for s in range(0, numel, span))
+
+
+class PatchBuilder:
+    """Streams a patch to a binary file one tensor at a time (bounded memory)."""
+
+    def __init__(
+        self,
+        f: BinaryIO,
+        *,
+        run: str | None = None,
+        base_version: int | None = None,
+        target_version: int | None = None,
+        view: str | None = None,
+        chunk_span: int = DEFAULT_CHUNK_SPAN,
+    ):
+        self._w = PatchWriter(f)
+        self._meta = dict(
+            run=run, base_version=base_version, target_version=target_version, view=view
+        )
+        self._span = chunk_span
+        self.entries: list[TensorEntry] = []
+        self._base_fps: list[tuple[str, str, tuple[int, ...], int]] = []
+        self._target_fps: list[tuple[str, str, tuple[int, ...], int]] = []
+
+    def _chunk(self, e: codec.EncodedChunk) -> Chunk:
+        off, crc = self._w.add_payload(e.pos_bytes, e.val_bytes)
+        return Chunk(
+            start=e.start,
+            stop=e.stop,
+            count=e.count,
+            pos=e.pos,
+            val=e.val,
+            ctx=e.ctx.to_list() if e.ctx else None,
+            offset=off,
+            pos_bytes=len(e.pos_bytes),
+            val_bytes=len(e.val_bytes),
+            crc32=crc,
+        )
+
+    def add(
+        self,
+        name: str,
+        base: torch.Tensor | None,
+        new: torch.Tensor | None,
+        base_fp: int | None = None,
+    ) -> TensorEntry:
+        """Add one tensor's change. base_fp, when known (the previous version's), saves a pass."""
+        if base is not None:
+            base_fp = fpr.fingerprint(name, base) if base_fp is None else base_fp
+            self._base_fps.append((name, dtypes.info(base.dtype).name, tuple(base.shape), base_fp))
+        if new is None:
+            if base is None:
+                raise ValueError(f"{name}: neither base nor new given")
+            entry = TensorEntry(
+                name=name,
+                dtype=dtypes.info(base.dtype).name,
+                shape=list(base.shape),
+                kind="removed",
+                changed=0,
+                base_fp=fpr.fmt(base_fp),
+            )
+            self.entries.append(entry)
+            return entry
+        dt = dtypes.info(new.dtype)
+        nv = dtypes.int_view(new)
+        chunks: list[Chunk] = []
+        note = None
+        if base is None or base.dtype != new.dtype or tuple(base.shape) != tuple(new.shape):
+            note = (
+                "added"
+                if base is None
+                else ("dtype changed" if base.dtype != new.dtype else "reshaped")
+            )
+            for s, e in _spans(nv.numel(), self._span):
+                pos = np.arange(s, e, dtype=np.int64)
+                chunks.append(
+                    self._chunk(codec.encode_chunk(pos, None, nv[s:e].to(torch.int64), dt, s, e))
+                )
+            target_fp = fpr.fingerprint(name, new)
+            kind = "full"
+        else:
+            bv = dtypes.int_view(base)
+            pos_all = torch.nonzero(bv != nv).reshape(-1)
+            target_fp = base_fp
+            bounds = torch.arange(0, nv.numel() + self._span, self._span, device=pos_all.device)
+            cuts = torch.searchsorted(pos_all, bounds.clamp(max=nv.numel())).tolist()
+            for i, (s, e) in enumerate(_spans(nv.numel(), self._span)):
+                pos_t = pos_all[cuts[i] : cuts[i + 1]]
+                if pos_t.numel() == 0:
+                    continue
+                old, nw = bv[pos_t].to(torch.int64), nv[pos_t].to(torch.int64)
+                target_fp = fpr.update(target_fp, name, pos_t, old, nw, dt.itemsize)
+                enc = codec.encode_chunk(pos_t.cpu().numpy(), old, nw, dt, s, e)
+                chunks.append(self._chunk(enc))
+            kind = "patch"
+        entry = TensorEntry(
+            name=name,
+            dtype=dt.name,
+            shape=list(new.shape),
+            kind=kind,
+            note=note,
+            base_fp=None
+            if kind == "full" and base is None
+            else (fpr.fmt(base_fp) if base_fp is not None else None),
+            target_fp=fpr.fmt(target_fp),
+            changed=sum(c.count for c in chunks),
+            chunks=chunks,
+        )
+        self._target_fps.append((name, dt.name, tuple(new.shape), target_fp))
+        self.entries.append(entry)
+        return entry
+
+    def finish(self, metadata: Mapping[str, str] | None = None) -> PatchHeader:
+        header = PatchHeader(
+            **self._meta,
+            created=_now(),
+            producer=f"stitch-rl {__version__}",
+            base_digest=fpr.digest(self._base_fps),
+            target_digest=fpr.digest(self._target_fps),
+            tensors=self.entries,
+            metadata=dict(metadata or {}),
+        )
+        self.size = self._w.finish(header)
+        return header
+
+
+@dataclass
+class Patch:
+    """An encoded patch held in memory (use PatchBuilder/PatchReader for streaming)."""
+
+    data: bytes
+
+    @property
+    def header(self) -> PatchHeader:
+        with PatchReader(self.data) as r:
+            return r.header
+
+    def to_bytes(self) -> bytes:
+        return self.data
+
+    def write(self, path: str | os.PathLike) -> None:
+        Path(path).write_bytes(self.data)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Patch:
+        return cls(Path(path).read_bytes())
+
+
+def diff(
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    run: str | None = None,
+    base_version: int | None = None,
+    target_version: int | None = None,
+    view: str | None = None,
+    base_fingerprints: Mapping[str, int] | None = None,
+    chunk_span: int = DEFAULT_CHUNK_SPAN,
+) -> Patch:
+    """The lossless patch that turns `base` into `new` (tensors present in either)."""
+    buf = io.BytesIO()
+    b = PatchBuilder(
+        buf,
+        run=run,
+        base_version=base_version,
+        target_version=target_version,
+        view=view,
+        chunk_span=chunk_span,
+    )
+    fps = base_fingerprints or {}
+    for name in sorted(set(base) | set(new)):
+        b.add(name, base.get(name), new.get(name), fps.get(name))
+    b.finish()
+    return Patch(buf.getvalue())
+
+
+# ---------------------------------------------------------------- apply
+
+
+def _fail(msg: str) -> PatchError:
+    return PatchError(msg)
+
+
+def check_compatible(
+    header: PatchHeader,
+    base_names: Iterable[str],
+    *,
+    run: str | None = None,
+    base_version: int | None = None,
+) -> None:
+    """Cheap checks before any work: model (tensor names), run and version."""
+    if run is not None and header.run is not None and run != header.run:
+        raise _fail(f"patch is for run {header.run!r}, not {run!r}")
+    if (
+        base_version is not None
+        and header.base_version is not None
+        and base_version != header.base_version
+    ):
+        raise _fail(
+            f"patch applies to version {header.base_version}, base is version {base_version}"
+        )
+    names = set(base_names)
+    expected = {t.name for t in header.tensors if t.kind != "full" or t.base_fp is not None}
+    missing = sorted(expected - names)
+    extra = sorted(names - {t.name for t in header.tensors})
+    if missing or extra:
+        what = (
+            f"base lacks {missing[0]!r}"
+            if missing
+            else f"base has {extra[0]!r} unknown to the patch"
+        )
+        raise _fail(
+            f"patch is for another model: {what} ({len(missing)} missing, "
+            f"{len(extra)} unknown tensors)"
+        )
+
+
+def apply_entry(
+    reader: PatchReader,
+    entry: TensorEntry,
+    base: torch.Tensor | None,
+    *,
+    base_fp: int | None = None,
+    inplace: bool = False,
+    undo: list[Callable[[], None]] | None = None,
+) -> torch.Tensor | None:
+    """Apply one tensor entry; returns the new tensor (None if removed). Verifies fingerprints."""
+    name = entry.name
+    if entry.kind == "full" and entry.base_fp is None:
+        base = None
+    if base is not None and entry.base_fp is not None:
+        if entry.kind == "patch" and (
+            dtypes.info(base.dtype).name != entry.dtype or list(base.shape) != entry.shape
+        ):
+            raise _fail(
+                f"{name}: base is {dtypes.info(base.dtype).name}{list(base.shape)}, patch "
+                f"expects {entry.dtype}{entry.shape} (another model?)"
+            )
+        have = fpr.fingerprint(name, base) if base_fp is None else base_fp
+        if fpr.fmt(have) != entry.base_fp:
+            raise _fail(
+                f"{name}: base fingerprint {fpr.fmt(have)} != {entry.base_fp} expected "
+                "(wrong base version?)"
+            )
+    if entry.kind == "removed":
+        return None
+    dt = dtypes.info(entry.dtype)
+    if entry.kind == "full":
+        flat = torch.empty(
+            entry.numel, dtype=dt.int_dtype, device=base.device if base is not None else "cpu"
+        )
+        for c, pb, vb in _chunks(reader, entry):
+            new = _decode(c, pb, vb, None, dt, flat.device)[1]
+            flat[c.start : c.stop] = new.to(dt.int_dtype)
+        out = dtypes.from_int(flat, dt.torch_dtype, tuple(entry.shape))
+        got = fpr.fingerprint(name, out)
+    else:
+        assert base is not None
+        out = base if inplace else base.clone()
+        flat = dtypes.int_view(out)
+        if inplace and not out.is_contiguous():
+            raise _fail(f"{name}: in-place apply needs a contiguous tensor")
+        got = fpr.parse(entry.base_fp)
+        for c, pb, vb in _chunks(reader, entry):
+            pos = torch.from_numpy(codec.decode_positions(c.pos, pb, c.start, c.stop, c.count))
+            pos = pos.to(flat.device)
+            old = flat[pos].to(torch.int64)
+            new = _decode(c, pb, vb, old, dt, flat.device)[1]
+            flat[pos] = new.to(dt.int_dtype)
+            if undo is not None:
+                undo.append(lambda f=flat, p=pos, o=old: f.__setitem__(p, o.to(f.dtype)))
+            got = fpr.update(got, name, pos, old, new, dt.itemsize)
+    if fpr.fmt(got) != entry.target_fp:
+        raise _fail(
+            f"{name}: result fingerprint {fpr.fmt(got)} != {entry.target_fp} (corrupt patch?)"
+        )
+    return out
+
+
+def _chunks(reader: PatchReader, entry: TensorEntry):
+    for c in entry.chunks:
+        pb, vb = reader.read_chunk(c)
+        yield c, pb, vb
+
+
+def _decode(
+    c: Chunk, pb, vb, old: torch.Tensor | None, dt: dtypes.DTypeInfo, device: torch.device
+) -> tuple[None, torch.Tensor]:
+    try:
+        ctx = codec.Context.from_list(c.ctx) if c.ctx else None
+        return None, codec.decode_values(c.val, ctx, vb, c.count, old, dt, device)
+    except CodecError as e:
+        raise _fail(f"corrupt patch data: {e}") from None
+
+
+def apply(
+    base: Mapping[str, torch.Tensor],
+    patch: Patch | bytes | str | os.PathLike,
+    *,
+    base_fingerprints: Mapping[str, int] | None = None,
+    base_version: int | None = None,
+    run: str | None = None,
+    inplace: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Reconstruct the target version from `base`. Raises PatchError; never returns a wrong result.
+
+    With inplace=True the base tensors are modified and the same dict is updated; on any error
+    every write is undone before the exception propagates.
+    """
+    src = patch.data if isinstance(patch, Patch) else patch
+    with PatchReader(src) as reader:
+        header = reader.header
+        check_compatible(header, base.keys(), run=run, base_version=base_version)
+        fps = base_fingerprints or {}
+        out: dict[str, torch.Tensor] = {}
+        undo: list[Callable[[], None]] = []
+        try:
+            for entry in header.tensors:
+                b = base.get(entry.name)
+                try:
+                    t = apply_entry(
+                        reader,
+                        entry,
+                        b,
+                        base_fp=fps.get(entry.name),
+                        inplace=inplace,
+                        undo=undo if inplace else None,
+                    )
+                except CodecError as e:
+                    raise _fail(f"{entry.name}: corrupt patch data: {e}") from None
+                if t is not None:
+                    out[entry.name] = t
+        except BaseException:
+            for u in reversed(undo):
+                u()
+            raise
+    if inplace and isinstance(base, dict):
+        base.clear()
+        base.update(out)
+        return base
+    return out

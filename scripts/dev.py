@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One entry point for a fresh machine: creates .venv, installs Stitch, then runs the demo or the tests.
+"""One entry point for a fresh machine: creates .venv, installs Stitch, runs the demo or tests.
 
     python3 scripts/dev.py demo     # set up + run the demo
     python3 scripts/dev.py test     # set up + run lint and the whole test suite

@@ -1,0 +1,338 @@
+"""Entropy streams (stitch_core.entropy): exact round trips, compression, malformed input."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stitch_core import entropy
+from stitch_core.entropy import MAX_CONTEXTS, StreamError, decode, encode
+
+U64_MAX = (1 << 64) - 1
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def u64(values) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+def roundtrip(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> bytes:
+    s = encode(u, ctx, n_ctx)
+    assert isinstance(s, bytes)
+    out = decode(s, u.shape[0], ctx)
+    assert out.dtype == np.uint64
+    assert out.shape == u.shape
+    np.testing.assert_array_equal(out, u)
+    return s
+
+
+def ref_token(v: int) -> tuple[int, int, int]:
+    """The token scheme of the module docstring, in plain Python."""
+    if v < 16:
+        return v, 0, 0
+    nb = v.bit_length() - 1
+    return 16 + 4 * (nb - 4) + ((v >> (nb - 2)) & 3), v & ((1 << (nb - 2)) - 1), nb - 2
+
+
+def boundary_values() -> list[int]:
+    vals = {0, 1, 2, 3, 15, 16, 17, 18, 19, 20, 31, 32, 33, 1 << 63, U64_MAX, U64_MAX - 1}
+    for k in range(1, 64):
+        vals |= {(1 << k) - 1, 1 << k, (1 << k) + 1, (1 << k) | (1 << (k - 1))}
+    vals.add((1 << 64) - (1 << 62))
+    return sorted(v for v in vals if v <= U64_MAX)
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_tokenize_matches_reference_on_boundaries():
+    vals = boundary_values()
+    tok, extra, nextra = entropy.tokenize(u64(vals))
+    for v, t, e, n in zip(vals, tok.tolist(), extra.tolist(), nextra.tolist(), strict=True):
+        assert (t, e, n) == ref_token(v), v
+    assert int(tok.max()) == 255  # 2^64-1 uses the last token
+    np.testing.assert_array_equal(entropy.token_extra_bits(tok), nextra)
+    np.testing.assert_array_equal(entropy.detokenize(tok, extra), u64(vals))
+
+
+@HYP
+@given(st.lists(st.integers(0, U64_MAX), max_size=50))
+def test_tokenize_matches_reference_property(vals):
+    tok, extra, nextra = entropy.tokenize(u64(vals))
+    got = list(zip(tok.tolist(), extra.tolist(), nextra.tolist(), strict=True))
+    assert got == [ref_token(v) for v in vals]
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_empty():
+    s = roundtrip(u64([]))
+    assert decode(s, 0).shape == (0,)
+
+
+@pytest.mark.parametrize("v", [0, 1, 15, 16, 17, 255, 256, 1 << 32, 1 << 63, U64_MAX])
+def test_single_value(v):
+    roundtrip(u64([v]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 5, 8, 16, 31, 32, 33, 48, 62, 63])
+def test_powers_of_two(k):
+    roundtrip(u64([(1 << k) - 1, 1 << k, (1 << k) + 1] * 3))
+
+
+def test_all_boundary_values_together_and_repeated():
+    vals = boundary_values()
+    roundtrip(u64(vals))
+    roundtrip(u64(vals[::-1] * 7))
+
+
+def test_single_symbol_streams():
+    for v in (0, 7, 16, 1 << 40, U64_MAX):
+        roundtrip(np.full(1000, v, dtype=np.uint64))
+
+
+@pytest.mark.parametrize("p", [0.9, 0.5, 0.05, 0.001])
+def test_geometric_round_trip(p):
+    rng = np.random.default_rng(int(p * 1000))
+    roundtrip((rng.geometric(p, 20_000) - 1).astype(np.uint64))
+
+
+def test_uniform_full_width_round_trip():
+    rng = np.random.default_rng(1)
+    u = rng.integers(0, U64_MAX, size=10_000, dtype=np.uint64, endpoint=True)
+    s = roundtrip(u)
+    # incompressible: close to 64 bits a value, never hugely more
+    assert len(s) <= 8 * u.size * 1.01 + 1024
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_uniform_narrow_round_trip(bits):
+    rng = np.random.default_rng(bits)
+    u = rng.integers(0, 1 << bits, size=5000, dtype=np.uint64)
+    s = roundtrip(u)
+    assert len(s) <= bits * u.size / 8 * 1.03 + 1024
+
+
+@pytest.mark.parametrize("n_ctx", [1, 2, 7, MAX_CONTEXTS])
+def test_contexts_round_trip(n_ctx):
+    rng = np.random.default_rng(n_ctx)
+    ctx = rng.integers(0, n_ctx, size=8000).astype(np.uint8)
+    # each context has its own distribution
+    u = (rng.geometric(1.0 / (2.0 + ctx.astype(np.float64) * 3), ctx.size) - 1).astype(np.uint64)
+    roundtrip(u, ctx, n_ctx)
+
+
+def test_contexts_help_when_values_depend_on_context():
+    rng = np.random.default_rng(3)
+    ctx = rng.integers(0, 4, size=20_000).astype(np.uint8)
+    # 8 equally likely tokens overall (3 bits), but only 2 per context (1 bit)
+    u = (2 * ctx.astype(np.int64) + rng.integers(0, 2, ctx.size)).astype(np.uint64)
+    with_ctx = roundtrip(u, ctx, 4)
+    without = roundtrip(u)
+    assert len(with_ctx) < 0.4 * len(without)
+
+
+def test_unused_contexts_round_trip():
+    ctx = np.full(100, 5, dtype=np.uint8)  # contexts 0..4 and 6..9 never used
+    roundtrip(np.arange(100, dtype=np.uint64) * 3, ctx, 10)
+
+
+@HYP
+@given(st.lists(st.integers(0, U64_MAX), max_size=300))
+def test_round_trip_property(vals):
+    roundtrip(u64(vals))
+
+
+@st.composite
+def values_with_contexts(draw):
+    n_ctx = draw(st.integers(1, MAX_CONTEXTS))
+    k = draw(st.integers(0, 200))
+    ctx = draw(st.lists(st.integers(0, n_ctx - 1), min_size=k, max_size=k))
+    small = st.integers(0, 40)
+    vals = draw(
+        st.lists(st.one_of(small, st.integers(0, U64_MAX)), min_size=k, max_size=k)
+    )
+    return u64(vals), np.array(ctx, dtype=np.uint8), n_ctx
+
+
+@HYP
+@given(values_with_contexts())
+def test_round_trip_with_contexts_property(case):
+    u, ctx, n_ctx = case
+    roundtrip(u, ctx, n_ctx)
+
+
+def test_encode_rejects_bad_n_ctx():
+    for n in (0, MAX_CONTEXTS + 1):
+        with pytest.raises(ValueError):
+            encode(u64([1, 2]), None, n)
+
+
+# ---------------------------------------------------------------- size
+
+
+@pytest.mark.parametrize("p", [0.5, 0.3, 0.1, 0.02])
+def test_size_near_empirical_entropy_geometric(p):
+    rng = np.random.default_rng(7)
+    n = 100_000
+    u = (rng.geometric(p, n) - 1).astype(np.uint64)
+    s = encode(u)
+    _, counts = np.unique(u, return_counts=True)
+    h_bits = float(-(counts * np.log2(counts / n)).sum())
+    table = 8 * (2 + 2 + 3 * 256 + 8 + 4)  # header, one table, lengths, rANS flush
+    assert 8 * len(s) <= 1.02 * h_bits + table
+    assert 8 * len(s) >= h_bits  # sanity: no coder beats the empirical entropy
+
+
+def test_cost_estimate_tracks_real_size():
+    rng = np.random.default_rng(11)
+    u = (rng.geometric(0.05, 50_000) - 1).astype(np.uint64)
+    tok = entropy.tokenize(u)[0]
+    est = entropy.cost_bits(tok, np.zeros_like(tok), 1)
+    real = 8 * len(encode(u))
+    assert abs(real - est) <= 0.02 * real + 512
+
+
+# ---------------------------------------------------------------- malformed streams
+
+
+def sample_stream(n: int = 500, seed: int = 0) -> tuple[np.ndarray, bytes]:
+    rng = np.random.default_rng(seed)
+    u = np.concatenate(
+        [(rng.geometric(0.2, n) - 1), rng.integers(1 << 20, 1 << 40, n // 10)]
+    ).astype(np.uint64)
+    return u, encode(u)
+
+
+def decode_or_stream_error(data: bytes, k: int, ctx=None) -> np.ndarray | None:
+    """Decode; only StreamError may come out. Returns None on StreamError."""
+    try:
+        out = decode(data, k, ctx)
+    except StreamError:
+        return None
+    assert out.dtype == np.uint64 and out.shape == (k,)
+    return out
+
+
+def test_stream_error_is_value_error():
+    assert issubclass(StreamError, ValueError)
+
+
+def test_every_truncation_is_rejected():
+    u, s = sample_stream(120)
+    for cut in range(len(s)):
+        with pytest.raises(StreamError):
+            decode(s[:cut], u.size)
+
+
+def test_appended_bytes_are_rejected():
+    u, s = sample_stream(120)
+    for extra in (b"\x00", b"\xff" * 3):
+        with pytest.raises(StreamError):
+            decode(s + extra, u.size)
+
+
+def test_wrong_k_is_rejected():
+    u, s = sample_stream(300)
+    assert np.unique(entropy.tokenize(u)[0]).size > 1  # not a single-symbol stream
+    for k in (0, 1, u.size - 2, u.size - 1, u.size + 1, u.size + 2, 2 * u.size):
+        with pytest.raises(StreamError):
+            decode(s, k)
+
+
+def test_bad_parameters_are_rejected():
+    u, s = sample_stream(50)
+    for scale_bits, n_ctx in ((0, 1), (16, 1), (255, 1), (14, 0), (14, MAX_CONTEXTS + 1)):
+        with pytest.raises(StreamError):
+            decode(struct.pack("<BB", scale_bits, n_ctx) + s[2:], u.size)
+    for short in (b"", b"\x0e"):
+        with pytest.raises(StreamError):
+            decode(short, 0)
+
+
+def test_bad_frequency_tables_are_rejected():
+    u, s = sample_stream(50)
+    n_used = s[2] | s[3] << 8
+    assert n_used >= 2
+    first = 4  # first record: u8 symbol, u16 frequency
+    # frequencies no longer sum to 2^scale
+    bad = bytearray(s)
+    bad[first + 1] ^= 1
+    with pytest.raises(StreamError):
+        decode(bytes(bad), u.size)
+    # duplicate symbol
+    bad = bytearray(s)
+    bad[first + 3] = bad[first]
+    with pytest.raises(StreamError):
+        decode(bytes(bad), u.size)
+    # more than 256 symbols
+    bad = bytearray(s)
+    bad[2:4] = struct.pack("<H", 257)
+    with pytest.raises(StreamError):
+        decode(bytes(bad), u.size)
+
+
+def test_zero_frequency_entry_is_rejected():
+    # a table listing a symbol with frequency 0 (and the rest summing to 2^14)
+    tbl = struct.pack("<BB", 14, 1) + struct.pack("<H", 2) + struct.pack("<BHBH", 0, 1 << 14, 1, 0)
+    with pytest.raises(StreamError):
+        decode(tbl + struct.pack("<II", 4, 0) + struct.pack("<I", entropy.RANS_L), 1)
+
+
+def test_bad_context_vectors_are_rejected():
+    rng = np.random.default_rng(5)
+    ctx = rng.integers(0, 3, 400).astype(np.uint8)
+    u = rng.integers(0, 50, 400).astype(np.uint64)
+    s = encode(u, ctx, 3)
+    np.testing.assert_array_equal(decode(s, u.size, ctx), u)
+    bad = ctx.copy()
+    bad[17] = 3  # == n_ctx
+    with pytest.raises(StreamError):
+        decode(s, u.size, bad)
+    bad[17] = 255
+    with pytest.raises(StreamError):
+        decode(s, u.size, bad)
+    with pytest.raises(StreamError):
+        decode(s, u.size, ctx[:-1])  # wrong length
+    with pytest.raises(StreamError):
+        decode(s, u.size - 1, ctx)
+
+
+def test_random_byte_flips_never_crash_or_hang():
+    rng = np.random.default_rng(9)
+    u, s = sample_stream(400, seed=2)
+    t0 = time.monotonic()
+    rejected = 0
+    for _ in range(600):
+        bad = bytearray(s)
+        for _ in range(int(rng.integers(1, 4))):
+            i = int(rng.integers(0, len(bad)))
+            bad[i] ^= int(rng.integers(1, 256))
+        out = decode_or_stream_error(bytes(bad), u.size)
+        rejected += out is None
+    assert time.monotonic() - t0 < 20
+    assert rejected > 300  # most corruptions are caught by the stream's own checks
+
+
+def test_random_garbage_never_crashes():
+    rng = np.random.default_rng(10)
+    for _ in range(300):
+        n = int(rng.integers(0, 200))
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        if n >= 2 and rng.random() < 0.7:  # plausible parameters, random rest
+            data = bytes([14, int(rng.integers(1, 4))]) + data[2:]
+        k = int(rng.integers(0, 100))
+        ctx = rng.integers(0, 3, k).astype(np.uint8) if rng.random() < 0.5 else None
+        decode_or_stream_error(data, k, ctx)
+
+
+@HYP
+@given(st.binary(max_size=64), st.integers(0, 1000))
+def test_arbitrary_bytes_property(data, k):
+    decode_or_stream_error(data, k)

@@ -5,24 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from . import __version__, dtypes
-from .checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    copy_side_files,
-    open_checkpoint,
-    save_shard,
-    write_index,
-)
+from . import __version__
+from .checkpoint import CheckpointError, open_checkpoint
 from .codec import CodecError
-from .patch import PatchBuilder, apply_entry, check_compatible
+from .materialize import apply_patches, remove, replace, tmp_sibling
+from .patch import PatchBuilder, check_compatible
 from .stp import PatchError, PatchReader
 
 
@@ -35,35 +28,13 @@ def _bar(total: int, desc: str, unit: str = "tensor") -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr, leave=False)
 
 
-def _tmp_sibling(out: Path) -> Path:
-    return out.parent / f".{out.name}.tmp-{os.getpid()}"
-
-
-def _replace(tmp: Path, out: Path, force: bool) -> None:
-    if out.exists():
-        if not force:
-            raise CliError(f"{out} exists (use --force to replace it)")
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
-    os.replace(tmp, out)
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir():
-        shutil.rmtree(p, ignore_errors=True)
-    elif p.exists():
-        p.unlink()
-
-
 # ---------------------------------------------------------------- diff
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
     base, new = open_checkpoint(a.base), open_checkpoint(a.new)
     out = Path(a.output)
-    tmp = _tmp_sibling(out)
+    tmp = tmp_sibling(out)
     names = sorted(set(base.where) | set(new.where))
     t0 = time.perf_counter()
     try:
@@ -84,9 +55,9 @@ def cmd_diff(a: argparse.Namespace) -> int:
             header = b.finish()
             f.flush()
             os.fsync(f.fileno())
-        _replace(tmp, out, a.force)
+        replace(tmp, out, a.force)
     except BaseException:
-        _remove(tmp)
+        remove(tmp)
         raise
     size = out.stat().st_size
     summary = {
@@ -110,42 +81,6 @@ def cmd_diff(a: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- apply
 
 
-def _apply_to(base: Checkpoint, reader: PatchReader, tmp: Path) -> dict[str, str]:
-    header = reader.header
-    entries = {t.name: t for t in header.tensors}
-    added = [t for t in header.tensors if t.kind == "full" and t.name not in base.where]
-    shards = base.shards
-    last = list(shards)[-1]
-    meta = dict(base.metadata)
-    if header.run is not None:
-        meta["stitch.run"] = header.run
-    if header.target_version is not None:
-        meta["stitch.version"] = str(header.target_version)
-    else:
-        meta.pop("stitch.version", None)
-    where: dict[str, str] = {}
-    total = 0
-    with _bar(len(header.tensors), "apply") as bar:
-        for shard, names in shards.items():
-            out = {}
-            todo = [(n, base.load(n)) for n in names] + (
-                [(t.name, None) for t in added] if shard == last else []
-            )
-            for name, bt in todo:
-                t = apply_entry(reader, entries[name], bt)
-                bar.update(1)
-                if t is not None:
-                    out[name] = t
-                    where[name] = shard
-                    total += t.numel() * dtypes.info(t.dtype).itemsize
-            save_shard(out, tmp / shard if base.is_dir else tmp, meta)
-    if base.is_dir:
-        copy_side_files(base.path, tmp)
-        if (base.path / "model.safetensors.index.json").exists() or len(shards) > 1:
-            write_index(tmp, where, total)
-    return where
-
-
 def cmd_apply(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     base = open_checkpoint(a.base)
@@ -154,14 +89,15 @@ def cmd_apply(a: argparse.Namespace) -> int:
         raise CliError(f"{out} exists (use --force to replace it)")
     with PatchReader(a.patch) as reader:
         check_compatible(reader.header, base.names(), base_version=base.version)
-        tmp = _tmp_sibling(out)
+        tmp = tmp_sibling(out)
         try:
             if base.is_dir:
                 tmp.mkdir(parents=True)
-            _apply_to(base, reader, tmp)
-            _replace(tmp, out, a.force)
+            with _bar(len(base.shards), "apply", "shard") as bar:
+                apply_patches(base, [reader], tmp, bar.update)
+            replace(tmp, out, a.force)
         except BaseException:
-            _remove(tmp)
+            remove(tmp)
             raise
         h = reader.header
     summary = {
@@ -290,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (PatchError, CheckpointError, CliError, CodecError) as e:
+    except (PatchError, CheckpointError, CliError, CodecError, FileExistsError) as e:
         print(f"stitch: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

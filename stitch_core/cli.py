@@ -12,7 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import __version__
+from .board import BoardError
 from .checkpoint import CheckpointError, open_checkpoint
+from .cli_versions import add_parsers
 from .codec import CodecError
 from .materialize import apply_patches, remove, replace, tmp_sibling
 from .patch import PatchBuilder, check_compatible
@@ -219,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--all", action="store_true", help="list unchanged tensors too")
     i.set_defaults(fn=cmd_inspect)
+    add_parsers(sub)
     return p
 
 
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (PatchError, CheckpointError, CliError, CodecError, FileExistsError) as e:
+    except (PatchError, CheckpointError, CliError, CodecError, FileExistsError, BoardError,
+            ValueError) as e:
         print(f"stitch: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

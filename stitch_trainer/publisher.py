@@ -122,6 +122,18 @@ class Publisher:
 
     # -------------------------------------------------------------- caller side
 
+    def resume_from(self, version: int, view: Mapping[str, torch.Tensor],
+                    fingerprints: Mapping[str, int]) -> None:
+        """Continue a run whose `latest` is `version` with this view: the next publish is a patch
+        against it (and fp8 scales stay pinned to it)."""
+        if self._published != version:
+            raise ValueError(f"board latest is {self._published}, not {version}")
+        self._prev_view = dict(view)
+        self._call(self._set_base((version, dict(view), dict(fingerprints))))
+
+    async def _set_base(self, base) -> None:
+        self._base = base
+
     def publish(
         self, step: int, tensors: Mapping[str, torch.Tensor] | torch.nn.Module
     ) -> VersionInfo:

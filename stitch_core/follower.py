@@ -162,6 +162,8 @@ class Follower:
         return self.version
 
     async def catch_up(self, target: int) -> None:
+        if self.latest is None or target > self.latest:
+            self.latest = target
         async with self._lock:
             if self.version is not None and self.version >= target:
                 return

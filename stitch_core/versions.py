@@ -106,11 +106,13 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     steps: list[Step] = []
     v: int | None = target
     fallback: list[Step] | None = None
+    reason = "the chain of parents does not reach it"
     while v is not None and (have is None or v > have):
         try:
             m = await read_manifest(board, run, v)
         except (NotFound, VersionError) as e:
             log.warning("version %s of %s unusable (%s); looking for a snapshot", v, run, e)
+            reason = str(e)
             break
         if m.kind == "snapshot":
             fallback = [Step("snapshot", m), *reversed(steps)]
@@ -126,7 +128,7 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     if fallback is not None:
         return fallback
     if not fallback_ok:
-        raise VersionError(f"no chain of patches from {run} v{have} to v{target}")
+        raise VersionError(f"no path from {run} v{have} to v{target}: {reason}")
     # chain broken or not reaching `have`: scan back for the nearest usable snapshot
     return await _from_snapshot(board, run, target)
 

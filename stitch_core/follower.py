@@ -57,6 +57,8 @@ class Follower:
         self.last_apply_seconds: float | None = None
         self.patch_bytes_total = 0
         self.applied: list[int] = []  # versions in the order they were reached
+        self.history: list[dict] = []  # per step: version, kind, fetch_s, apply_s, times
+        self._announced_at: dict[int, float] = {}
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -124,6 +126,7 @@ class Follower:
     async def _on_announcement(self, ann: Announcement) -> None:
         if ann.run != self.run:
             return
+        self._announced_at.setdefault(ann.version, time.perf_counter())
         if self.latest is None or ann.version > self.latest:
             self.latest = ann.version
         self._wake.set()
@@ -169,6 +172,7 @@ class Follower:
                 return
             steps = await plan(self.board, self.run, self.version, target, self.max_chain)
             for step in steps:
+                t_fetch = time.perf_counter()
                 path = await self._fetch(step)
                 self.applying = True
                 t0 = time.perf_counter()
@@ -183,7 +187,12 @@ class Follower:
                     raise
                 finally:
                     self.applying = False
-                self.last_apply_seconds = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.last_apply_seconds = t1 - t0
+                self.history.append({
+                    "version": step.version, "kind": step.kind, "fetch_s": t0 - t_fetch,
+                    "apply_s": t1 - t0, "announced_at": self._announced_at.pop(step.version, None),
+                    "current_at": t1})
                 self.patch_bytes_total += step.manifest.patch_bytes if step.kind == "patch" else 0
                 self.version = step.version
                 self.applied.append(step.version)

@@ -147,9 +147,7 @@ def adamw_run(
     masters = init_masters(shape, seed)
     for t in masters.values():
         t.requires_grad_(True)
-    opt = torch.optim.AdamW(
-        masters.values(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay
-    )
+    opt = torch.optim.AdamW(masters.values(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
     grads = Gradients(masters, shape.vocab, seed)
     plain = {n: t.detach() for n, t in masters.items()}
     yield plain

@@ -25,6 +25,7 @@ from .dtypes import DTypeInfo
 POS_ENCODINGS = ("all", "gaps", "bitmap")
 VAL_ENCODINGS = ("ulp", "xor", "raw")
 MAX_CTX_EXPONENTS = 12
+ESTIMATE_SAMPLE = 1 << 15
 
 
 class CodecError(ValueError):
@@ -112,7 +113,7 @@ def apply_values(
         return dtypes.signed(dtypes.unsigned(old, dt.itemsize) ^ v, dt.itemsize)
     if enc != "ulp" or dt.itemsize > 4:
         raise CodecError(f"bad value encoding {enc!r} for {dt.name}")
-    d = (v >> 1) ^ -(v & 1)
+    d = ((v >> 1) & ((1 << 63) - 1)) ^ -(v & 1)  # logical shift: u is unsigned
     key = dtypes.to_key(old, dt) + d
     half = 1 << (dt.bits - 1)
     if bool(((key < -half) | (key >= half)).any()):
@@ -178,7 +179,8 @@ def _choose_context(
         return best
     ub = old & ((1 << dt.bits) - 1)
     exp = (ub >> dt.mantissa_bits) & ((1 << (dt.bits - 1 - dt.mantissa_bits)) - 1)
-    lo, hi = np.percentile(exp, [1, 99]).astype(np.int64)
+    cdf = np.cumsum(np.bincount(exp)) / exp.size
+    lo, hi = int(np.searchsorted(cdf, 0.01)), int(np.searchsorted(cdf, 0.99))
     n = int(min(hi - lo + 1, MAX_CTX_EXPONENTS))
     base = int(hi) - n + 1
     for sign in (False, True):
@@ -197,17 +199,24 @@ def encode_values(
         ["raw"] if old is None else (["ulp", "xor", "raw"] if dt.itemsize <= 4 else ["xor", "raw"])
     )
     old_np = None if old is None else old.cpu().numpy()
+    k = new.shape[0]
+    # choose on an evenly strided sample: the choice needs statistics, not every element
+    idx = slice(None) if k <= ESTIMATE_SAMPLE else slice(None, None, k // ESTIMATE_SAMPLE)
     best = None
     for enc in candidates:
-        u = values_for(enc, old, new, dt)
+        if len(candidates) == 1:
+            best = (0.0, enc, None)
+            break
+        u = values_for(enc, None if old is None else old[idx], new[idx], dt)
         tokens = entropy.tokenize(u)[0]
         if enc == "ulp":
-            ctx, cost = _choose_context(old_np, tokens, dt)
+            ctx, cost = _choose_context(old_np[idx], tokens, dt)
         else:
             ctx, cost = None, entropy.cost_bits(tokens, np.zeros_like(tokens), 1)
         if best is None or cost < best[0]:
-            best = (cost, enc, ctx, u)
-    _, enc, ctx, u = best
+            best = (cost, enc, ctx)
+    _, enc, ctx = best
+    u = values_for(enc, old, new, dt)
     if ctx is None:
         return enc, None, entropy.encode(u)
     return enc, ctx, entropy.encode(u, ctx.of(old_np, dt), ctx.count)

@@ -87,6 +87,41 @@ def _detokenize(tok, extra, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _unpack_detokenize(tok, data, out):  # pragma: no cover - compiled
+    """Read each token's extra bits (LSB-first) and rebuild values. Bytes used, or -1."""
+    acc = np.uint64(0)
+    have = 0
+    p = 0
+    for i in range(tok.shape[0]):
+        t = int(tok[i])
+        if t < 16:
+            out[i] = np.uint64(t)
+            continue
+        nb = (t - 16) // 4 + 4
+        n = nb - 2
+        v = np.uint64(0)
+        shift = 0
+        while n > 0:
+            take = 32 if n > 32 else n
+            while have < take:
+                if p >= data.shape[0]:
+                    return -1
+                acc |= np.uint64(data[p]) << np.uint64(have)
+                p += 1
+                have += 8
+            v |= (acc & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(shift)
+            acc >>= np.uint64(take)
+            have -= take
+            shift += take
+            n -= take
+        m = np.uint64((t - 16) & 3)
+        out[i] = (np.uint64(1) << np.uint64(nb)) | (m << np.uint64(nb - 2)) | v
+    if acc != 0:  # padding bits must be zero
+        return -1
+    return p
+
+
+@numba.njit(cache=True, nogil=True)
 def _pack_bits(values, nbits, out):  # pragma: no cover - compiled
     acc = np.uint64(0)
     have = 0
@@ -318,10 +353,8 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
     used = _rans_decode(buf[p : p + rans_len], ctx, freq, cum, lookup, scale_bits, tokens)
     if used != rans_len:
         raise StreamError("corrupt entropy-coded stream")
-    nextra = token_extra_bits(tokens)
-    extra = np.empty(k, dtype=np.uint64)
-    eb = buf[p + rans_len :]
-    got = _unpack_bits(eb, nextra, extra)
-    if got < 0 or got != extra_len or got != (int(nextra.astype(np.int64).sum()) + 7) // 8:
+    out = np.empty(k, dtype=np.uint64)
+    got = _unpack_detokenize(tokens, buf[p + rans_len :], out)
+    if got != extra_len:
         raise StreamError("corrupt extra bits")
-    return detokenize(tokens, extra)
+    return out

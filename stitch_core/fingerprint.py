@@ -12,8 +12,9 @@
 
 Because F is a sum it is decomposable (shards and TP ranks sum the positions they hold and the
 partial sums add up) and incremental (a patch moves F by sum h(i, new) - h(i, old) over the changed
-positions). A single changed element always changes F (mix32 is a bijection); for random corruption
-of several elements a collision has probability about 2^-32. F is for state integrity against
+positions). For elements of at most 4 bytes a single changed element always changes F (mix32 is
+a bijection; 8-byte elements are folded to 32 bits first); for random corruption of several
+elements a collision has probability about 2^-32. F is for state integrity against
 accidents and bugs, not against an adversary: signatures cover that.
 """
 
@@ -85,22 +86,36 @@ def _mix(x):  # pragma: no cover - compiled
     return x ^ (x >> 16)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _h(pos, b, seed, itemsize):  # pragma: no cover - compiled
+    a = _mix((pos & 0xFFFFFFFF) ^ seed)
+    hi = pos >> 32
+    if hi != 0:
+        a ^= _mix(hi & 0xFFFFFFFF)
+    if itemsize < 8:
+        b &= (np.int64(1) << (8 * itemsize)) - 1
+    else:
+        b = (b & 0xFFFFFFFF) ^ _mix((b >> 32) & 0xFFFFFFFF)
+    return np.uint64(_mix(a ^ b))
+
+
 @numba.njit(cache=True, nogil=True)
 def _sum_cpu(bits, offset, seed, itemsize):  # pragma: no cover - compiled
     """The same sum as the torch path, one pass, for CPU tensors (int views as numpy)."""
     acc = np.uint64(0)
     for j in range(bits.shape[0]):
-        pos = np.int64(offset + j)
-        a = _mix((pos & 0xFFFFFFFF) ^ seed)
-        hi = pos >> 32
-        if hi != 0:
-            a ^= _mix(hi & 0xFFFFFFFF)
-        b = np.int64(bits[j])
-        if itemsize < 8:
-            b &= (np.int64(1) << (8 * itemsize)) - 1
-        else:
-            b = (b & 0xFFFFFFFF) ^ _mix((b >> 32) & 0xFFFFFFFF)
-        acc += np.uint64(_mix(a ^ b))
+        acc += _h(np.int64(offset + j), np.int64(bits[j]), seed, itemsize)
+    return acc
+
+
+@numba.njit(cache=True, nogil=True)
+def _delta_cpu(pos, old, new, seed, itemsize):  # pragma: no cover - compiled
+    """sum h(i, new) - h(i, old) over positions, mod 2^64."""
+    acc = np.uint64(0)
+    for j in range(pos.shape[0]):
+        p = np.int64(pos[j])
+        acc += _h(p, np.int64(new[j]), seed, itemsize)
+        acc -= _h(p, np.int64(old[j]), seed, itemsize)
     return acc
 
 
@@ -129,9 +144,12 @@ def update(
 ) -> int:
     """Incremental fingerprint after the bits at `positions` went from `old` to `new`."""
     seed = seed_of(name)
-    delta = partial_sum(positions, new, itemsize, seed) - partial_sum(
-        positions, old, itemsize, seed
-    )
+    if positions.device.type == "cpu":
+        delta = int(_delta_cpu(positions.numpy(), old.numpy(), new.numpy(), seed, itemsize))
+    else:
+        delta = partial_sum(positions, new, itemsize, seed) - partial_sum(
+            positions, old, itemsize, seed
+        )
     return (fp + delta) & MASK64
 
 

@@ -7,11 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .dtypes import _INFOS
+
 FORMAT_NAME = "stitch-patch"
 FORMAT_VERSION = 1
 MAX_NUMEL = 1 << 40  # elements per tensor
 MAX_CHUNK_SPAN = 1 << 24  # positions per chunk: bounds every allocation of the decoder
 MAX_NAME = 1024
+DTYPE_NAMES = frozenset(i.name for i in _INFOS)
 
 
 class Chunk(BaseModel):
@@ -63,10 +66,17 @@ class TensorEntry(BaseModel):
             raise ValueError("NUL in tensor name")
         return v
 
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {v!r}")
+        return v
+
     @field_validator("shape")
     @classmethod
     def _shape(cls, v: list[int]) -> list[int]:
-        if len(v) > 16 or any(d < 0 for d in v) or math.prod(v) > MAX_NUMEL:
+        if len(v) > 16 or any(not 0 <= d <= MAX_NUMEL for d in v) or math.prod(v) > MAX_NUMEL:
             raise ValueError(f"implausible shape {v}")
         return v
 

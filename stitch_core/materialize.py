@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import dtypes
+from . import fingerprint as fpr
 from .checkpoint import Checkpoint, copy_side_files, save_shard, write_index
-from .patch import apply_entry, check_compatible
+from .patch import apply_entry, check_compatible, check_digests, row
 from .stp import PatchReader
 
 
@@ -46,10 +47,11 @@ def apply_patches(base: Checkpoint, readers: list[PatchReader], dest: Path,
     meta.update(metadata or {})
     where: dict[str, str] = {}
     total = 0
+    rows: list[tuple[list, list]] = [([], []) for _ in readers]  # (base, target) per patch
     for shard, names in shards.items():
         tensors = base.load_shard(shard)
         tensors = {n: tensors[n] for n in names}
-        for r in readers:
+        for r, (base_rows, target_rows) in zip(readers, rows, strict=True):
             entries = {t.name: t for t in r.header.tensors}
             todo = list(tensors.items())
             if shard == last:  # tensors this patch adds land in the last shard
@@ -57,9 +59,13 @@ def apply_patches(base: Checkpoint, readers: list[PatchReader], dest: Path,
                          if t.kind == "full" and t.base_fp is None and t.name not in tensors]
             nxt = {}
             for name, t in todo:
-                out = apply_entry(r, entries[name], t)
+                e = entries[name]
+                out = apply_entry(r, e, t)
+                if t is not None and e.base_fp is not None:
+                    base_rows.append(row(name, t, fpr.parse(e.base_fp)))
                 if out is not None:
                     nxt[name] = out
+                    target_rows.append(row(name, out, fpr.parse(e.target_fp)))
             tensors = nxt
         for name, t in tensors.items():
             where[name] = shard
@@ -67,6 +73,8 @@ def apply_patches(base: Checkpoint, readers: list[PatchReader], dest: Path,
         save_shard(tensors, dest / shard if base.is_dir else dest, meta)
         if progress:
             progress(1)
+    for r, (base_rows, target_rows) in zip(readers, rows, strict=True):
+        check_digests(r.header, base_rows, target_rows)
     if base.is_dir:
         copy_side_files(base.path, dest)
         if (base.path / "model.safetensors.index.json").exists() or len(shards) > 1:

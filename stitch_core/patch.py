@@ -281,17 +281,23 @@ def apply_entry(
         return None
     dt = dtypes.info(entry.dtype)
     if entry.kind == "full":
-        flat = torch.empty(
-            entry.numel, dtype=dt.int_dtype, device=base.device if base is not None else "cpu"
-        )
+        try:
+            flat = torch.empty(
+                entry.numel, dtype=dt.int_dtype, device=base.device if base is not None else "cpu"
+            )
+        except (RuntimeError, MemoryError):
+            raise _fail(
+                f"{name}: cannot allocate {entry.numel:,} elements (absurd size?)"
+            ) from None
         for c, pb, vb in _chunks(reader, entry):
-            new = _decode(c, pb, vb, None, dt, flat.device)[1]
+            new = _decode(name, c, pb, vb, None, dt, flat.device)
             flat[c.start : c.stop] = new.to(dt.int_dtype)
         out = dtypes.from_int(flat, dt.torch_dtype, tuple(entry.shape))
         got = fpr.fingerprint(name, out)
     else:
         assert base is not None
-        out = base if inplace else base.clone()
+        # contiguous: int_view of a strided clone would be a copy, and writes would be lost
+        out = base if inplace else base.clone(memory_format=torch.contiguous_format)
         flat = dtypes.int_view(out)
         if inplace and not out.is_contiguous():
             raise _fail(f"{name}: in-place apply needs a contiguous tensor")
@@ -300,7 +306,7 @@ def apply_entry(
             pos = torch.from_numpy(codec.decode_positions(c.pos, pb, c.start, c.stop, c.count))
             pos = pos.to(flat.device)
             old = flat[pos].to(torch.int64)
-            new = _decode(c, pb, vb, old, dt, flat.device)[1]
+            new = _decode(name, c, pb, vb, old, dt, flat.device)
             flat[pos] = new.to(dt.int_dtype)
             if undo is not None:
                 undo.append(lambda f=flat, p=pos, o=old: f.__setitem__(p, o.to(f.dtype)))
@@ -319,13 +325,31 @@ def _chunks(reader: PatchReader, entry: TensorEntry):
 
 
 def _decode(
-    c: Chunk, pb, vb, old: torch.Tensor | None, dt: dtypes.DTypeInfo, device: torch.device
-) -> tuple[None, torch.Tensor]:
+    name: str,
+    c: Chunk,
+    pb,
+    vb,
+    old: torch.Tensor | None,
+    dt: dtypes.DTypeInfo,
+    device: torch.device,
+) -> torch.Tensor:
     try:
         ctx = codec.Context.from_list(c.ctx) if c.ctx else None
-        return None, codec.decode_values(c.val, ctx, vb, c.count, old, dt, device)
+        return codec.decode_values(c.val, ctx, vb, c.count, old, dt, device)
     except CodecError as e:
-        raise _fail(f"corrupt patch data: {e}") from None
+        raise _fail(f"{name}: corrupt patch data: {e}") from None
+
+
+def row(name: str, t: torch.Tensor, fp: int) -> tuple[str, str, tuple[int, ...], int]:
+    return (name, dtypes.info(t.dtype).name, tuple(t.shape), fp)
+
+
+def check_digests(header: PatchHeader, base_rows, target_rows) -> None:
+    """Names, dtypes, shapes and fingerprints of both versions, as a whole, match the header."""
+    if fpr.digest(base_rows) != header.base_digest:
+        raise _fail("base digest mismatch: the header does not describe this base (forged?)")
+    if fpr.digest(target_rows) != header.target_digest:
+        raise _fail("target digest mismatch: dtypes/shapes in the header were altered (forged?)")
 
 
 def apply(
@@ -349,6 +373,8 @@ def apply(
         fps = base_fingerprints or {}
         out: dict[str, torch.Tensor] = {}
         undo: list[Callable[[], None]] = []
+        base_rows: list[tuple[str, str, tuple[int, ...], int]] = []
+        target_rows: list[tuple[str, str, tuple[int, ...], int]] = []
         try:
             for entry in header.tensors:
                 b = base.get(entry.name)
@@ -365,6 +391,10 @@ def apply(
                     raise _fail(f"{entry.name}: corrupt patch data: {e}") from None
                 if t is not None:
                     out[entry.name] = t
+                    target_rows.append(row(entry.name, t, fpr.parse(entry.target_fp)))
+                if b is not None and entry.base_fp is not None:
+                    base_rows.append(row(entry.name, b, fpr.parse(entry.base_fp)))
+            check_digests(header, base_rows, target_rows)
         except BaseException:
             for u in reversed(undo):
                 u()

@@ -130,7 +130,7 @@ class PatchReader:
         f.seek(hoff)
         try:
             header = PatchHeader.model_validate(json.loads(f.read(hlen)))
-        except (ValueError, ValidationError) as e:
+        except (ValueError, ValidationError, RecursionError) as e:  # deep nesting: RecursionError
             first = str(e).splitlines()
             raise _err(f"malformed patch header: {' '.join(first[:3])}") from None
         self.data_end = hoff

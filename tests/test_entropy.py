@@ -155,9 +155,7 @@ def values_with_contexts(draw):
     k = draw(st.integers(0, 200))
     ctx = draw(st.lists(st.integers(0, n_ctx - 1), min_size=k, max_size=k))
     small = st.integers(0, 40)
-    vals = draw(
-        st.lists(st.one_of(small, st.integers(0, U64_MAX)), min_size=k, max_size=k)
-    )
+    vals = draw(st.lists(st.one_of(small, st.integers(0, U64_MAX)), min_size=k, max_size=k))
     return u64(vals), np.array(ctx, dtype=np.uint8), n_ctx
 
 

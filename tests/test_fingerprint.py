@@ -162,9 +162,7 @@ def test_decomposes_across_the_2_32_boundary():
     base = (1 << 32) - 20
     whole = fpr.fingerprint("w", t, offset=base)
     for cut in (1, 19, 20, 21, 63):
-        parts = fpr.fingerprint("w", t[:cut], offset=base) + torch_path(
-            "w", t[cut:], base + cut
-        )
+        parts = fpr.fingerprint("w", t[:cut], offset=base) + torch_path("w", t[cut:], base + cut)
         assert parts & M64 == whole
 
 
@@ -282,9 +280,11 @@ def test_any_single_changed_narrow_element_changes_fingerprint(info):
     t = random_tensor(info, 8, seed=12)
     f0 = fpr.fingerprint("w", t)
     base = dtypes.int_view(t)
-    values = [0, 1] if info.torch_dtype == torch.bool else range(-(1 << (info.bits - 1)), 1 << (
-        info.bits - 1
-    ))
+    values = (
+        [0, 1]
+        if info.torch_dtype == torch.bool
+        else range(-(1 << (info.bits - 1)), 1 << (info.bits - 1))
+    )
     pos = torch.tensor([5])
     old = base[pos].to(torch.int64)
     new = torch.tensor(list(values), dtype=torch.int64)

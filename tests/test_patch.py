@@ -1,0 +1,604 @@
+"""diff/apply (stitch_core.patch): bitwise round trips, whole-tensor changes, header stats, and
+the checks that refuse a wrong base, model, run or version (in place: with everything undone)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stitch_core import Patch, PatchError, apply, diff, dtypes
+from stitch_core import fingerprint as fpr
+from stitch_core.patch import DEFAULT_CHUNK_SPAN
+from stitch_core.stp import END_MAGIC, FOOTER
+
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e5m2,
+    torch.uint8,
+    torch.float64,
+]
+
+# special bit patterns (as signed integers of the element width): +-0, +-inf, NaNs with payloads
+SPECIALS = {
+    torch.float32: [0, -(1 << 31), 0x7F800000, -0x00800000, 0x7FC00000, 0x7F800001, -0x400000],
+    torch.float16: [0, -0x8000, 0x7C00, -0x0400, 0x7E00, 0x7C01, -0x200, 1],
+    torch.bfloat16: [0, -0x8000, 0x7F80, -0x0080, 0x7FC0, 0x7F81, -0x40, 1],
+    torch.float8_e4m3fn: [0, -128, 0x7F, -1, 0x7E, 1, -2],
+    torch.float8_e5m2: [0, -128, 0x7C, -4, 0x7E, 0x7D, 1],
+    torch.float64: [0, -(1 << 63), 0x7FF << 52, -(1 << 52), 0x7FF8 << 48, (0x7FF << 52) | 1],
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return dtypes.int_view(t)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (dtype, shape and every bit; NaN payloads and -0.0 included)."""
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(bits(a), bits(b))
+
+
+def assert_state(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same(got[k], want[k]), k
+
+
+def snapshot(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def random_bits(info: dtypes.DTypeInfo, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """n random bit patterns of the dtype as int64 (sign-extended)."""
+    if info.torch_dtype == torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, n)).to(torch.int64)
+    u = rng.integers(0, np.iinfo(np.uint64).max, n, dtype=np.uint64, endpoint=True)
+    v = torch.from_numpy(u.view(np.int64).copy())
+    return dtypes.signed(dtypes.unsigned(v, info.itemsize), info.itemsize)
+
+
+def make_tensor(dtype, shape, rng, mode: str) -> torch.Tensor:
+    info = dtypes.info(dtype)
+    n = int(np.prod(shape)) if shape else 1
+    if mode == "bits" or dtype == torch.bool:
+        b = random_bits(info, n, rng)
+    elif info.is_float:
+        w = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.05)
+        b = bits(w.to(dtype)).to(torch.int64)
+    else:
+        b = torch.from_numpy(rng.integers(-100, 100, n)).to(torch.int64)
+        if dtype == torch.uint8:
+            b = b & 0xFF
+    if info.is_float and n:
+        sp = torch.tensor(SPECIALS[dtype], dtype=torch.int64)
+        k = min(n, sp.numel(), max(1, n // 50))
+        b[torch.from_numpy(rng.choice(n, k, replace=False))] = sp[:k]
+    return dtypes.from_int(b.to(info.int_dtype), dtype, tuple(shape))
+
+
+def change(t: torch.Tensor, rng, density, how: str) -> torch.Tensor:
+    """A copy of t with the elements at a random subset (by density) changed."""
+    info = dtypes.info(t.dtype)
+    b = bits(t).to(torch.int64).clone()
+    n = b.numel()
+    if density == "one":
+        k = min(n, 1)
+    else:
+        k = int(round(density * n))
+        if density and not k and n:
+            k = 1
+    pos = torch.from_numpy(rng.choice(n, k, replace=False)).to(torch.int64) if k else None
+    if pos is not None:
+        old = b[pos]
+        if t.dtype == torch.bool:
+            new = 1 - old
+        elif how == "ulp" and info.is_float and info.itemsize <= 4:
+            half = 1 << (info.bits - 1)
+            d = torch.from_numpy(rng.choice([-3, -2, -1, 1, 1, 1, 2], k)).to(torch.int64)
+            key = (dtypes.to_key(old, info) + d).clamp(-half, half - 1)
+            new = dtypes.from_key(key, info)
+        elif how == "ulp":
+            new = old + torch.from_numpy(rng.choice([-2, -1, 1, 3], k)).to(torch.int64)
+            new = dtypes.signed(dtypes.unsigned(new, info.itemsize), info.itemsize)
+        elif how == "special" and info.is_float:
+            sp = torch.tensor(SPECIALS[t.dtype], dtype=torch.int64)
+            new = sp[torch.from_numpy(rng.integers(0, sp.numel(), k))]
+        else:
+            new = random_bits(info, k, rng)
+        if density == "one" and int(new[0]) == int(old[0]):
+            new = new ^ 1 if t.dtype != torch.bool else 1 - old
+        b[pos] = new
+    return dtypes.from_int(b.to(info.int_dtype), t.dtype, tuple(t.shape))
+
+
+def n_changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((bits(a) != bits(b)).sum())
+
+
+def split(data: bytes) -> tuple[int, dict]:
+    hoff, hlen, _, _ = FOOTER.unpack(data[-FOOTER.size :])
+    return hoff, json.loads(data[hoff : hoff + hlen])
+
+
+def forge(data: bytes, header: dict | bytes) -> bytes:
+    """Replace the header JSON and recompute the footer (a valid checksum)."""
+    hoff, _ = split(data)
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body = data[:hoff] + blob + struct.pack("<QQ", hoff, len(blob))
+    return body + hashlib.blake2b(body, digest_size=32).digest() + END_MAGIC
+
+
+def one_line_error(fn, *args, match: str | None = None, **kw) -> PatchError:
+    with pytest.raises(PatchError) as ei:
+        fn(*args, **kw)
+    msg = str(ei.value)
+    assert msg and "\n" not in msg
+    if match is not None:
+        assert match in msg, msg
+    return ei.value
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(
+        st.one_of(
+            st.just(()),
+            st.lists(st.integers(0, 13), min_size=1, max_size=3),
+            st.tuples(st.integers(600, 3000)).map(list),
+        )
+    )
+    density = draw(st.sampled_from([0.0, "one", 0.001, 0.1, 0.5, 1.0]))
+    how = draw(st.sampled_from(["ulp", "bits", "special"]))
+    mode = draw(st.sampled_from(["weights", "bits"]))
+    span = draw(st.sampled_from([64, 100, 1000, DEFAULT_CHUNK_SPAN]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return dtype, tuple(shape), density, how, mode, span, seed
+
+
+@HYP
+@given(cases())
+def test_round_trip_property(case):
+    dtype, shape, density, how, mode, span, seed = case
+    rng = np.random.default_rng(seed)
+    w = make_tensor(dtype, shape, rng, mode)
+    w2 = change(w, rng, density, how)
+    bias = make_tensor(torch.float32, (7,), rng, "weights")
+    base = {"model.w": w, "model.bias": bias}
+    new = {"model.w": w2, "model.bias": change(bias, rng, "one", "ulp")}
+    keep = snapshot(base)
+    p = diff(base, new, chunk_span=span)
+    assert_state(base, keep)  # diff does not touch its inputs
+
+    h = p.header
+    want_changed = n_changed(w, w2) + n_changed(bias, new["model.bias"])
+    assert h.changed_elements == want_changed
+    assert h.total_elements == w.numel() + bias.numel()
+    entry = {t.name: t for t in h.tensors}["model.w"]
+    assert entry.kind == "patch" and entry.note is None and entry.shape == list(shape)
+    assert entry.dtype == dtypes.info(dtype).name
+    assert entry.base_fp == fpr.fmt(fpr.fingerprint("model.w", w))
+    assert entry.target_fp == fpr.fmt(fpr.fingerprint("model.w", w2))
+    diff_mask = (bits(w) != bits(w2)).numpy()
+    for c in entry.chunks:  # one chunk per span holding changes, aligned to the span
+        assert c.start % span == 0 and c.stop == min(c.start + span, w.numel())
+        assert c.count == int(diff_mask[c.start : c.stop].sum()) >= 1
+        assert (c.pos == "all") == (c.count == c.stop - c.start)
+        if dtypes.info(dtype).itemsize == 8:
+            assert c.val != "ulp"
+    spans_with_changes = {i // span for i in np.flatnonzero(diff_mask)}
+    assert len(entry.chunks) == len(spans_with_changes)
+
+    out = apply(base, p)
+    assert_state(out, new)
+    assert_state(base, keep)
+
+    inplace = snapshot(base)
+    ptrs = {k: v.data_ptr() for k, v in inplace.items()}
+    res = apply(inplace, p, inplace=True)
+    assert res is inplace
+    assert_state(res, new)
+    assert {k: v.data_ptr() for k, v in res.items()} == ptrs  # patched where they lie
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("density", [0.0, "one", 0.001, 0.5, 1.0])
+def test_round_trip_grid(dtype, density):
+    rng = np.random.default_rng(hash((str(dtype), str(density))) & 0xFFFF)
+    w = make_tensor(dtype, (40, 50), rng, "weights")
+    for how in ("ulp", "special"):
+        w2 = change(w, rng, density, how)
+        p = diff({"w": w}, {"w": w2}, chunk_span=64)
+        assert p.header.changed_elements == n_changed(w, w2)
+        assert_state(apply({"w": w}, p), {"w": w2})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_dim_and_empty_tensors(dtype):
+    rng = np.random.default_rng(0)
+    scalar = make_tensor(dtype, (), rng, "bits")
+    scalar2 = change(scalar, rng, "one", "bits")
+    empty = make_tensor(dtype, (0, 4), rng, "bits")
+    base = {"s": scalar, "e": empty, "z": make_tensor(dtype, (0,), rng, "bits")}
+    new = {"s": scalar2, "e": empty.clone(), "z2": make_tensor(dtype, (3, 0), rng, "bits")}
+    p = diff(base, new, chunk_span=64)
+    h = p.header
+    ents = {t.name: t for t in h.tensors}
+    assert ents["s"].shape == [] and ents["s"].changed == 1
+    assert ents["e"].changed == 0 and ents["e"].chunks == []
+    assert ents["z"].kind == "removed" and ents["z2"].kind == "full"
+    assert h.changed_elements == 1 and h.total_elements == 1
+    out = apply(base, p)
+    assert_state(out, new)
+    assert out["s"].shape == torch.Size([])
+    assert_state(apply(snapshot(base), p, inplace=True), new)
+
+
+def test_nan_inf_negzero_bit_patterns_preserved():
+    for dtype, specials in SPECIALS.items():
+        info = dtypes.info(dtype)
+        sp = torch.tensor(specials, dtype=torch.int64)
+        base_bits = sp.roll(1)
+        w = dtypes.from_int(base_bits.to(info.int_dtype), dtype, (sp.numel(),))
+        w2 = dtypes.from_int(sp.to(info.int_dtype), dtype, (sp.numel(),))
+        p = diff({"w": w}, {"w": w2})
+        assert p.header.changed_elements == n_changed(w, w2) == sp.numel()
+        assert same(apply({"w": w}, p)["w"], w2)
+        # +0.0 -> -0.0 alone is a change (floats compare equal, bits do not)
+        z = torch.zeros(5, dtype=dtype)
+        nz = z.clone()
+        nz[2] = -0.0
+        p = diff({"z": z}, {"z": nz})
+        assert p.header.changed_elements == 1
+        out = apply({"z": z}, p)["z"]
+        assert same(out, nz) and int(bits(out)[2]) == -(1 << (info.bits - 1))
+
+
+def test_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(30, 20, generator=g).bfloat16()
+    base_t = m.t()  # (20, 30), not contiguous
+    new_t = base_t.contiguous().clone()
+    new_t[3, 7] = 5.0
+    new_t[19, 29] = -1.0
+    p = diff({"w": base_t}, {"w": new_t.t().contiguous().t()})  # new also non-contiguous
+    assert p.header.changed_elements == 2
+    out = apply({"w": base_t}, p)
+    assert same(out["w"], new_t)
+    with pytest.raises(PatchError, match="contiguous"):
+        apply({"w": base_t}, p, inplace=True)
+
+
+# ---------------------------------------------------------------- whole tensors
+
+
+def test_added_removed_reshaped_dtype_changed():
+    rng = np.random.default_rng(1)
+    base = {
+        "keep": make_tensor(torch.bfloat16, (16, 16), rng, "weights"),
+        "gone": make_tensor(torch.float32, (5, 3), rng, "weights"),
+        "reshaped": make_tensor(torch.bfloat16, (8, 6), rng, "weights"),
+        "grown": make_tensor(torch.int32, (10,), rng, "bits"),
+        "recast": make_tensor(torch.float32, (4, 4), rng, "weights"),
+        "recast_same_width": make_tensor(torch.float16, (9,), rng, "weights"),
+    }
+    new = {
+        "keep": change(base["keep"], rng, 0.1, "ulp"),
+        "reshaped": base["reshaped"].reshape(6, 8).clone(),  # same bits, new shape
+        "grown": make_tensor(torch.int32, (12,), rng, "bits"),
+        "recast": base["recast"].to(torch.bfloat16),
+        "recast_same_width": base["recast_same_width"].view(torch.bfloat16).clone(),
+        "added": make_tensor(torch.float8_e4m3fn, (3, 70), rng, "bits"),
+        "added_bool": make_tensor(torch.bool, (100,), rng, "bits"),
+    }
+    p = diff(base, new, chunk_span=64)
+    h = p.header
+    ents = {t.name: t for t in h.tensors}
+    assert [t.name for t in h.tensors] == sorted(set(base) | set(new))
+    expect = {
+        "keep": ("patch", None),
+        "gone": ("removed", None),
+        "reshaped": ("full", "reshaped"),
+        "grown": ("full", "reshaped"),
+        "recast": ("full", "dtype changed"),
+        "recast_same_width": ("full", "dtype changed"),
+        "added": ("full", "added"),
+        "added_bool": ("full", "added"),
+    }
+    assert {k: (e.kind, e.note) for k, e in ents.items()} == expect
+    for k, e in ents.items():
+        if k in base:
+            assert e.base_fp == fpr.fmt(fpr.fingerprint(k, base[k]))
+        else:
+            assert e.base_fp is None
+        if k in new:
+            assert e.target_fp == fpr.fmt(fpr.fingerprint(k, new[k]))
+            assert e.shape == list(new[k].shape)
+            assert e.dtype == dtypes.info(new[k].dtype).name
+        else:
+            assert e.target_fp is None and e.chunks == [] and e.changed == 0
+        if e.kind == "full":
+            assert e.changed == new[k].numel()
+            assert all(c.val == "raw" and c.pos == "all" for c in e.chunks)
+            assert [c.start for c in e.chunks] == list(range(0, new[k].numel(), 64))
+    full = sum(new[k].numel() for k, e in ents.items() if e.kind == "full")
+    assert h.changed_elements == full + n_changed(base["keep"], new["keep"])
+    assert h.total_elements == sum(t.numel() for t in new.values())
+    keep = snapshot(base)
+    assert_state(apply(base, p), new)
+    assert_state(base, keep)
+    state = snapshot(base)
+    res = apply(state, p, inplace=True)
+    assert res is state
+    assert_state(res, new)
+
+
+@HYP
+@given(
+    st.sampled_from(DTYPES),
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.integers(0, 1000),
+)
+def test_whole_tensor_changes_property(dt_a, dt_b, shape_a, shape_b, seed):
+    rng = np.random.default_rng(seed)
+    a = make_tensor(dt_a, tuple(shape_a), rng, "bits")
+    b = make_tensor(dt_b, tuple(shape_b), rng, "bits")
+    p = diff({"x": a, "old": a}, {"x": b, "new": b}, chunk_span=64)
+    ents = {t.name: t for t in p.header.tensors}
+    assert ents["old"].kind == "removed" and ents["new"].note == "added"
+    if dt_a != dt_b:
+        assert (ents["x"].kind, ents["x"].note) == ("full", "dtype changed")
+    elif tuple(shape_a) != tuple(shape_b):
+        assert (ents["x"].kind, ents["x"].note) == ("full", "reshaped")
+    else:
+        assert ents["x"].kind == "patch"
+    assert_state(apply({"x": a, "old": a}, p), {"x": b, "new": b})
+
+
+# ---------------------------------------------------------------- encodings and size
+
+
+def test_typical_sparse_bf16_change_uses_ulp():
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(256, 256, generator=g) * 0.02).bfloat16()
+    pos = torch.randperm(w.numel(), generator=g)[:655]  # ~1%
+    b = bits(w).to(torch.int64).clone()
+    info = dtypes.info(torch.bfloat16)
+    step = torch.where(torch.rand(655, generator=g) < 0.5, 1, -1)
+    b[pos] = dtypes.from_key(dtypes.to_key(b[pos], info) + step, info)
+    w2 = dtypes.from_int(b.to(torch.int16), torch.bfloat16, (256, 256))
+    p = diff({"w": w}, {"w": w2})
+    (e,) = p.header.tensors
+    assert e.changed == 655 and len(e.chunks) == 1
+    assert e.chunks[0].val == "ulp" and e.chunks[0].pos == "gaps"
+    # ~8 bits of gap and ~1 bit of sign per change, not 16 bits of value + position
+    assert e.nbytes < 655 * 1.5
+    out = apply({"w": w}, p)["w"]
+    assert torch.equal(bits(out), bits(w2))
+    assert not torch.equal(bits(out), bits(w))
+
+
+def test_dense_ulp_change_uses_contexts_and_is_small():
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 256, generator=g) * 0.02).bfloat16()
+    info = dtypes.info(torch.bfloat16)
+    b = bits(w).to(torch.int64)
+    b2 = dtypes.from_key(dtypes.to_key(b, info) + (b >= 0).to(torch.int64) * 2 - 1, info)
+    w2 = dtypes.from_int(b2.to(torch.int16), torch.bfloat16, tuple(w.shape))
+    p = diff({"w": w}, {"w": w2})
+    (c,) = p.header.tensors[0].chunks
+    assert c.pos == "all" and c.val == "ulp" and c.ctx is not None and c.ctx[2] == 1
+    assert c.pos_bytes == 0 and c.val_bytes < 200  # the sign context makes it nearly free
+    assert same(apply({"w": w}, p)["w"], w2)
+
+
+def test_many_chunks_with_small_span():
+    rng = np.random.default_rng(4)
+    w = make_tensor(torch.float16, (10_000,), rng, "weights")
+    w2 = change(w, rng, 0.05, "ulp")
+    p = diff({"w": w}, {"w": w2}, chunk_span=64)
+    (e,) = p.header.tensors
+    assert len(e.chunks) > 100
+    assert [c.start for c in e.chunks] == sorted(c.start for c in e.chunks)
+    assert sum(c.count for c in e.chunks) == e.changed == n_changed(w, w2)
+    assert same(apply({"w": w}, p)["w"], w2)
+
+
+def test_identical_states_give_an_empty_patch():
+    rng = np.random.default_rng(5)
+    base = {k: make_tensor(d, (33, 3), rng, "bits") for k, d in zip("abc", DTYPES, strict=False)}
+    p = diff(base, snapshot(base))
+    assert p.header.changed_elements == 0
+    assert all(t.kind == "patch" and not t.chunks for t in p.header.tensors)
+    assert_state(apply(base, p), base)
+
+
+# ---------------------------------------------------------------- containers and metadata
+
+
+def test_patch_bytes_path_and_metadata(tmp_path):
+    rng = np.random.default_rng(6)
+    base = {"w": make_tensor(torch.bfloat16, (50,), rng, "weights")}
+    new = {"w": change(base["w"], rng, 0.1, "ulp")}
+    p = diff(base, new, run="run-7", base_version=3, target_version=4, view="bf16")
+    h = p.header
+    assert (h.run, h.base_version, h.target_version, h.view) == ("run-7", 3, 4, "bf16")
+    assert h.base_digest == fpr.digest([("w", "BF16", (50,), fpr.fingerprint("w", base["w"]))])
+    assert h.target_digest == fpr.digest([("w", "BF16", (50,), fpr.fingerprint("w", new["w"]))])
+    path = tmp_path / "x.stp"
+    p.write(path)
+    assert Patch.read(path).data == p.data == p.to_bytes()
+    for src in (p, p.data, bytearray(p.data), str(path), path):
+        assert_state(apply(base, src), new)
+
+
+def test_base_fingerprints_are_used():
+    rng = np.random.default_rng(7)
+    base = {"w": make_tensor(torch.float32, (40,), rng, "weights")}
+    new = {"w": change(base["w"], rng, 0.2, "bits")}
+    fps = fpr.state_fingerprints(base)
+    p = diff(base, new, base_fingerprints=fps)
+    assert p.header.tensors[0].base_fp == fpr.fmt(fps["w"])
+    assert_state(apply(base, p, base_fingerprints=fps), new)
+    one_line_error(apply, base, p, base_fingerprints={"w": fps["w"] ^ 1}, match="fingerprint")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def model_pair(seed: int = 8):
+    rng = np.random.default_rng(seed)
+    base = {
+        "a.weight": make_tensor(torch.bfloat16, (32, 8), rng, "weights"),
+        "b.weight": make_tensor(torch.bfloat16, (32, 8), rng, "weights"),
+        "c.bias": make_tensor(torch.float32, (8,), rng, "weights"),
+        "d.removed": make_tensor(torch.int8, (5,), rng, "bits"),
+    }
+    new = {
+        "a.weight": change(base["a.weight"], rng, 0.1, "ulp"),
+        "b.weight": change(base["b.weight"], rng, 0.1, "ulp"),
+        "c.bias": base["c.bias"].clone(),
+        "e.added": make_tensor(torch.float16, (4,), rng, "bits"),
+    }
+    return base, new
+
+
+def test_wrong_base_one_element_different():
+    base, new = model_pair()
+    p = diff(base, new)
+    for name in ("a.weight", "c.bias", "d.removed"):
+        wrong = snapshot(base)
+        b = bits(wrong[name])
+        b[3] ^= 1
+        err = one_line_error(apply, wrong, p, match="fingerprint")
+        assert name in str(err)
+
+
+def test_base_from_the_target_version_is_refused():
+    base, new = model_pair()
+    p = diff(base, new)
+    state = {k: v for k, v in new.items() if k != "e.added"} | {"d.removed": base["d.removed"]}
+    one_line_error(apply, state, p, match="fingerprint")
+
+
+def test_wrong_dtype_or_shape_is_refused():
+    base, new = model_pair()
+    p = diff(base, new)
+    wrong = snapshot(base)
+    wrong["a.weight"] = wrong["a.weight"].float()
+    one_line_error(apply, wrong, p, match="a.weight")
+    wrong = snapshot(base)
+    wrong["a.weight"] = wrong["a.weight"].reshape(8, 32)
+    one_line_error(apply, wrong, p, match="a.weight")
+
+
+def test_wrong_model_is_refused():
+    base, new = model_pair()
+    p = diff(base, new)
+    extra = snapshot(base) | {"z.extra": torch.zeros(3)}
+    one_line_error(apply, extra, p, match="another model")
+    for missing in ("a.weight", "c.bias", "d.removed"):
+        state = {k: v for k, v in base.items() if k != missing}
+        one_line_error(apply, state, p, match="another model")
+    renamed = {("x." + k if k == "c.bias" else k): v for k, v in base.items()}
+    one_line_error(apply, renamed, p, match="another model")
+    # the names of one model under the tensors of another
+    swapped = snapshot(base)
+    swapped["a.weight"], swapped["b.weight"] = swapped["b.weight"], swapped["a.weight"]
+    one_line_error(apply, swapped, p, match="fingerprint")
+
+
+def test_wrong_run_or_version_is_refused():
+    base, new = model_pair()
+    p = diff(base, new, run="r1", base_version=3, target_version=4)
+    one_line_error(apply, base, p, run="r2", match="run")
+    one_line_error(apply, base, p, base_version=4, match="version")
+    one_line_error(apply, base, p, run="r1", base_version=2, match="version")
+    assert_state(apply(base, p, run="r1", base_version=3), new)
+    assert_state(apply(base, p), new)
+
+
+def test_refusals_leave_base_untouched():
+    base, new = model_pair()
+    p = diff(base, new, run="r1", base_version=3)
+    keep = snapshot(base)
+    for kw in ({"run": "r2"}, {"base_version": 9}):
+        state = snapshot(base)
+        with pytest.raises(PatchError):
+            apply(state, p, inplace=True, **kw)
+        assert_state(state, keep)
+
+
+# ---------------------------------------------------------------- in place, undone on failure
+
+
+def test_inplace_failure_on_later_tensor_undoes_earlier_writes():
+    base, new = model_pair()
+    p = diff(base, new)
+    state = snapshot(base)
+    b = bits(state["c.bias"])  # checked after a.weight and b.weight were patched in place
+    b[0] ^= 1
+    keep = snapshot(state)
+    objs = dict(state)
+    one_line_error(apply, state, p, inplace=True, match="c.bias")
+    assert_state(state, keep)
+    assert all(state[k] is objs[k] for k in objs)  # same dict content, same tensor objects
+
+
+def test_inplace_failure_on_result_fingerprint_undoes_everything():
+    base, new = model_pair()
+    p = diff(base, new, chunk_span=64)
+    _, h = split(p.data)
+    ents = {t["name"]: t for t in h["tensors"]}
+    # b.weight's chunks decode fine and are written, then its result fingerprint mismatches
+    ents["b.weight"]["target_fp"] = fpr.fmt(fpr.parse(ents["b.weight"]["target_fp"]) ^ 1)
+    bad = forge(p.data, h)
+    state = snapshot(base)
+    keep = snapshot(base)
+    one_line_error(apply, state, bad, inplace=True, match="b.weight")
+    assert_state(state, keep)
+    one_line_error(apply, snapshot(base), bad, match="b.weight")
+
+
+def test_inplace_failure_on_corrupt_chunk_undoes_everything():
+    base, new = model_pair()
+    p = diff(base, new, chunk_span=64)
+    _, h = split(p.data)
+    ents = {t["name"]: t for t in h["tensors"]}
+    ents["b.weight"]["chunks"][-1]["crc32"] ^= 1  # last chunk of the second patched tensor
+    state = snapshot(base)
+    one_line_error(apply, state, forge(p.data, h), inplace=True, match="checksum")
+    assert_state(state, base)
+
+
+def test_forge_helper_is_faithful():
+    base, new = model_pair()
+    p = diff(base, new)
+    _, h = split(p.data)
+    assert forge(p.data, h) == p.data or split(forge(p.data, h))[1] == h
+    assert_state(apply(base, forge(p.data, copy.deepcopy(h))), new)

@@ -297,8 +297,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     from .natsserver import run_dev_stack
 
-    run_dev_stack(Path(a.dir), a.port)
-    return 0
+    return run_dev_stack(Path(a.dir), a.port)
 
 
 def cmd_board_serve(a: argparse.Namespace) -> int:

@@ -1,139 +1,159 @@
 #!/usr/bin/env python3
-"""Demo: an AdamW run on a small model, shipped as lossless patches with the `stitch` CLI.
+"""Demo: a trainer publishes versions of a small model; a follower materialises each one.
 
-Builds a small Llama-shaped set of fp32 master weights, trains it a few steps with AdamW at an RL
-learning rate, saves each step's bf16 served view as an HF directory, then for each step:
-`stitch diff` -> `stitch inspect` -> `stitch apply`, and checks the rebuilt version bit for bit.
+On this machine: a real nats-server (JetStream) and a board directory, a Llama-shaped model trained
+with AdamW at an RL learning rate, the `Publisher` shipping each step as a lossless patch (a
+snapshot every 5 versions), and a `Follower` subscribed to the announcements that fetches, applies
+and verifies every version bit for bit. Then the CLI: `stitch versions`, `stitch pull`,
+`stitch inspect`, and a corrupted patch being refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from stitch_core import fingerprint as fpr
+from stitch_core.follower import Follower, MemoryReplica
+from stitch_core.natsserver import NatsServer
 from stitch_core.views import project
+from stitch_trainer import Publisher
+
+RUN = "demo"
 
 
-def small_llama(layers: int, hidden: int, inter: int, vocab: int) -> dict[str, torch.Tensor]:
+def small_llama(layers: int, hidden: int, inter: int, vocab: int) -> torch.nn.ParameterDict:
     g = torch.Generator().manual_seed(0)
-    sd: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g) * 0.02
-    }
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        for n, shape in [
-            ("self_attn.q_proj", (hidden, hidden)),
-            ("self_attn.k_proj", (hidden // 4, hidden)),
-            ("self_attn.v_proj", (hidden // 4, hidden)),
-            ("self_attn.o_proj", (hidden, hidden)),
-            ("mlp.gate_proj", (inter, hidden)),
-            ("mlp.up_proj", (inter, hidden)),
-            ("mlp.down_proj", (hidden, inter)),
-        ]:
-            sd[p + n + ".weight"] = torch.randn(*shape, generator=g) * 0.02
-        sd[p + "input_layernorm.weight"] = torch.ones(hidden)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-    sd["model.norm.weight"] = torch.ones(hidden)
-    sd["lm_head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.02
-    return sd
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.v_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    return {
+        k: torch.nn.Parameter(torch.ones(s) if len(s) == 1 else torch.randn(*s, generator=g) * 0.02)
+        for k, s in shapes.items()
+    }
 
 
-def stitch(*args: object) -> str:
-    r = subprocess.run(
+def stitch(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "stitch_core.cli", *map(str, args)], capture_output=True, text=True
     )
-    if r.returncode != 0:
-        raise SystemExit(f"stitch {args[0]} failed: {r.stderr.strip()}")
-    return r.stdout
-
-
-def save_view(view: dict[str, torch.Tensor], d: Path, version: int) -> None:
-    d.mkdir(parents=True)
-    save_file(
-        view,
-        d / "model.safetensors",
-        metadata={"stitch.run": "demo", "stitch.version": str(version)},
-    )
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "note": "stitch demo"}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6)
-    ap.add_argument("--out", type=Path, default=None, help="keep the files here")
+    ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
     a = ap.parse_args()
     work = a.out or Path(tempfile.mkdtemp(prefix="stitch-demo-"))
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)
+    board = work / "board"
 
-    masters = small_llama(layers=4, hidden=512, inter=1408, vocab=8000)
-    params = {k: torch.nn.Parameter(v) for k, v in masters.items()}
+    params = small_llama(layers=4, hidden=512, inter=1408, vocab=8000)
     opt = torch.optim.AdamW(params.values(), lr=a.lr, weight_decay=0.01)
     n = sum(p.numel() for p in params.values())
-    print(f"model: {n / 1e6:.1f}M params, AdamW lr={a.lr}, bf16 served view; files in {work}\n")
-    prev = project({k: p.detach() for k, p in params.items()}, "bf16")
-    save_view(prev, work / "v0", 0)
-    full = (work / "v0" / "model.safetensors").stat().st_size
-    print(
-        f"{'step':>4} {'changed %':>10} {'patch bytes':>12} {'full bytes':>12} {'ratio':>8} "
-        f"{'bits/chg':>9} {'diff s':>7} {'apply s':>8}  verified"
-    )
-    for step in range(1, a.steps + 1):
-        for p in params.values():  # noisy gradients with a little shared signal
-            p.grad = torch.randn_like(p) * 1e-2 + 1e-3 * torch.randn(1)
-        opt.step()
-        cur = project({k: p.detach() for k, p in params.items()}, "bf16")
-        save_view(cur, work / f"v{step}", step)
-        patch = work / f"v{step}.stp"
-        t0 = time.perf_counter()
-        stitch("diff", work / f"v{step - 1}", work / f"v{step}", "-o", patch, "--view", "bf16")
-        t1 = time.perf_counter()
-        stitch("apply", work / f"v{step - 1}", patch, "-o", work / f"r{step}")
-        t2 = time.perf_counter()
-        info = json.loads(stitch("inspect", patch, "--json"))
-        got = load_file(work / f"r{step}" / "model.safetensors")
-        ok = all(torch.equal(got[k].view(torch.int16), cur[k].view(torch.int16)) for k in cur)
-        frac = info["changed_elements"] / info["total_elements"]
+    with NatsServer(work / "nats", port=0) as nats:
         print(
-            f"{step:>4} {100 * frac:>10.3f} {info['patch_bytes']:>12,} {full:>12,} "
-            f"{full / info['patch_bytes']:>7.0f}x {info['bits_per_changed_element']:>9.2f} "
-            f"{t1 - t0:>7.2f} {t2 - t1:>8.2f}  {'bit-exact' if ok else 'MISMATCH'}"
+            f"nats-server {nats.url}, board {board}\n"
+            f"model: {n / 1e6:.1f}M params, AdamW lr={a.lr}, served view bf16\n"
         )
-        if not ok:
-            raise SystemExit("reconstruction mismatch")
-        prev = cur
-    print("\nper-tensor view of the last patch (`stitch inspect`):")
-    print("\n".join(stitch("inspect", work / f"v{a.steps}.stp").splitlines()[:8]))
-    bad = bytearray((work / "v1.stp").read_bytes())
-    bad[len(bad) // 2] ^= 1
-    (work / "bad.stp").write_bytes(bytes(bad))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stitch_core.cli",
-            "apply",
-            work / "v0",
-            work / "bad.stp",
-            "-o",
-            work / "bad-out",
-        ],
-        capture_output=True,
-        text=True,
-    )
+        pub = Publisher(str(board), RUN, "bf16", nats=nats.url, snapshot_every=5)
+        replica = MemoryReplica()
+        loop = asyncio.new_event_loop()
+        follower = Follower(
+            str(board),
+            RUN,
+            replica,
+            nats=nats.url,
+            cache_dir=work / "cache",
+            reconcile_interval=5.0,
+            engine_id="demo-follower",
+        )
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(follower.start(), loop).result(30)
+
+        print(
+            f"{'ver':>3} {'kind':<8} {'changed %':>9} {'patch bytes':>12} {'full bytes':>11} "
+            f"{'smaller':>8} {'publish ms':>10} {'upload ms':>9} {'fetch ms':>8} "
+            f"{'apply ms':>8}  follower"
+        )
+        for step in range(a.steps + 1):
+            if step:
+                for p in params.values():  # noisy gradients with a little shared signal
+                    p.grad = torch.randn_like(p) * 1e-2 + 1e-3 * torch.randn(1)
+                opt.step()
+            info = pub.publish(step, params)
+            t0 = time.perf_counter()
+            m = info.result(120)
+            upload = time.perf_counter() - t0
+            ok = asyncio.run_coroutine_threadsafe(follower.wait_for(m.version, 60), loop).result()
+            h = follower.history[-1]
+            expect = fpr.state_fingerprints(
+                project({k: p.detach() for k, p in params.items()}, "bf16")
+            )
+            verified = ok and replica.fingerprints == expect
+            full = sum(t.numel() * 2 for t in replica.tensors.values())
+            moved = m.patch_bytes if h["kind"] == "patch" else m.full_bytes
+            changed = (
+                ""
+                if m.changed_elements is None
+                else f"{100 * m.changed_elements / m.total_elements:.3f}"
+            )
+            print(
+                f"{m.version:>3} {m.kind:<8} {changed:>9} {m.patch_bytes or '-':>12} "
+                f"{full:>11,} {full / moved:>7.0f}x {1e3 * info.blocked_seconds:>10.0f} "
+                f"{1e3 * upload:>9.0f} {1e3 * h['fetch_s']:>8.0f} {1e3 * h['apply_s']:>8.0f}"
+                f"  v{follower.version} {h['kind']}, "
+                f"{'bit-exact' if verified else 'MISMATCH'}"
+            )
+            if not verified:
+                raise SystemExit("follower diverged from the trainer")
+        pub.close()
+
+        print("\n$ stitch versions", board, "--run", RUN)
+        print(stitch("versions", board, "--run", RUN).stdout)
+        print(f"$ stitch status --nats {nats.url} --run {RUN}")
+        print(stitch("status", "--nats", nats.url, "--run", RUN).stdout)
+        asyncio.run_coroutine_threadsafe(follower.stop(), loop).result(30)
+    r = stitch("pull", board, "--run", RUN, "-o", work / "pulled", "--force", "--json")
     print(
-        f"\na corrupted patch: exit {r.returncode}, {r.stderr.strip()!r}; "
-        f"output written: {(work / 'bad-out').exists()}"
+        f"$ stitch pull {board} --run {RUN} -o {work / 'pulled'} --json\n{r.stdout.strip()}"
+        f"{r.stderr.strip()}"
+    )
+    patch = board / RUN / "versions" / f"{a.steps:06d}" / "patch.stp"
+    print(f"\n$ stitch inspect {patch}")
+    print("\n".join(stitch("inspect", patch).stdout.splitlines()[:6]) + "\n  ...")
+    info = json.loads(stitch("inspect", patch, "--json").stdout)
+    bad = bytearray(patch.read_bytes())
+    bad[len(bad) // 3] ^= 1
+    (work / "bad.stp").write_bytes(bytes(bad))
+    base = work / "base"
+    stitch("pull", board, "--run", RUN, "--version", str(a.steps - 1), "-o", base, "--force")
+    r = stitch("apply", base, work / "bad.stp", "-o", work / "bad-out")
+    print(
+        f"\na patch with one flipped bit ({info['patch_bytes']:,} bytes): exit {r.returncode}, "
+        f"{r.stderr.strip()!r}; output written: {(work / 'bad-out').exists()}"
     )
 
 

@@ -60,6 +60,7 @@ class Follower:
         self.history: list[dict] = []  # per step: version, kind, fetch_s, apply_s, times
         self._announced_at: dict[int, float] = {}
         self._wake = asyncio.Event()
+        self._beat = asyncio.Event()  # set on every state change: heartbeat now
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._nc = self._js = self._sub = None
@@ -151,7 +152,9 @@ class Follower:
                     id=self.id, run=self.run, url=self.url, version=self.version,
                     latest=self.latest, state=self.state, lag=self.lag, region=self.region,
                     time=time.time()))
-            await asyncio.sleep(self.heartbeat_interval)
+            self._beat.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat.wait(), self.heartbeat_interval)
 
     # -------------------------------------------------------------- catching up
 
@@ -175,6 +178,7 @@ class Follower:
                 t_fetch = time.perf_counter()
                 path = await self._fetch(step)
                 self.applying = True
+                self._beat.set()
                 t0 = time.perf_counter()
                 try:
                     await self._apply(step, path)
@@ -197,6 +201,7 @@ class Follower:
                 self.version = step.version
                 self.applied.append(step.version)
                 self.last_error = None
+                self._beat.set()
                 async with self._changed:
                     self._changed.notify_all()
                 log.info("follower %s: now at %s v%d (%s)", self.id, self.run, step.version,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -45,12 +46,10 @@ class Context:
         return self.n * (2 if self.sign else 1)
 
     def of(self, old_sbits: np.ndarray, dt: DTypeInfo) -> np.ndarray:
-        ub = old_sbits.astype(np.int64) & ((1 << dt.bits) - 1) if dt.bits < 64 else old_sbits
-        exp = (ub >> dt.mantissa_bits) & ((1 << (dt.bits - 1 - dt.mantissa_bits)) - 1)
-        c = np.clip(exp - self.base, 0, self.n - 1)
-        if self.sign:
-            c = c + self.n * ((ub >> (dt.bits - 1)) & 1)
-        return c.astype(np.uint8)
+        out = np.empty(old_sbits.shape[0], dtype=np.uint8)
+        _contexts(np.ascontiguousarray(old_sbits, np.int64), dt.bits, dt.mantissa_bits,
+                  self.base, self.n, self.sign, out)
+        return out
 
     def to_list(self) -> list[int]:
         return [self.base, self.n, int(self.sign)]
@@ -74,7 +73,53 @@ class EncodedChunk:
     val_bytes: bytes
 
 
-# ---------------------------------------------------------------- value transforms (torch)
+# ---------------------------------------------------------------- value transforms
+# CPU tensors go through fused numba loops; other devices use the same arithmetic in torch.
+
+
+@numba.njit(cache=True, nogil=True)
+def _contexts(old, bits, mant, base, n, sign, out):  # pragma: no cover - compiled
+    umask = (np.int64(1) << bits) - 1
+    emask = (np.int64(1) << (bits - 1 - mant)) - 1
+    for i in range(old.shape[0]):
+        ub = old[i] & umask
+        c = ((ub >> mant) & emask) - base
+        c = 0 if c < 0 else (n - 1 if c > n - 1 else c)
+        if sign and (ub >> (bits - 1)) & 1:
+            c += n
+        out[i] = c
+
+
+@numba.njit(cache=True, nogil=True)
+def _ulp_encode(old, new, bits, is_float, out):  # pragma: no cover - compiled
+    mask = (np.int64(1) << (bits - 1)) - 1
+    for i in range(old.shape[0]):
+        ko, kn = old[i], new[i]
+        if is_float:
+            ko ^= (ko >> 63) & mask
+            kn ^= (kn >> 63) & mask
+        d = kn - ko
+        out[i] = np.uint64((d << 1) ^ (d >> 63))
+
+
+@numba.njit(cache=True, nogil=True)
+def _ulp_decode(old, u, bits, is_float, out):  # pragma: no cover - compiled
+    """New bits from old bits and zigzag ULP deltas; False if one leaves the dtype's range."""
+    mask = (np.int64(1) << (bits - 1)) - 1
+    half = np.int64(1) << (bits - 1)
+    for i in range(old.shape[0]):
+        v = u[i]
+        d = np.int64(v >> np.uint64(1)) ^ -np.int64(v & np.uint64(1))
+        k = old[i]
+        if is_float:
+            k ^= (k >> 63) & mask
+        k += d
+        if k < -half or k >= half:
+            return False
+        if is_float:
+            k ^= (k >> 63) & mask
+        out[i] = k
+    return True
 
 
 def _u64(t: torch.Tensor) -> np.ndarray:
@@ -88,6 +133,15 @@ def values_for(enc: str, old: torch.Tensor | None, new: torch.Tensor, dt: DTypeI
     assert old is not None
     if enc == "xor":
         return _u64(dtypes.unsigned(old ^ new, dt.itemsize))
+    if old.device.type == "cpu":
+        out = np.empty(old.shape[0], dtype=np.uint64)
+        _ulp_encode(old.numpy(), new.numpy(), dt.bits, dt.is_float, out)
+        return out
+    return ulp_values_torch(old, new, dt)
+
+
+def ulp_values_torch(old: torch.Tensor, new: torch.Tensor, dt: DTypeInfo) -> np.ndarray:
+    """The device-agnostic (torch) form of the ulp transform; equal to the numba loop."""
     d = dtypes.to_key(new, dt) - dtypes.to_key(old, dt)
     return _u64((d << 1) ^ (d >> 63))
 
@@ -113,6 +167,17 @@ def apply_values(
         return dtypes.signed(dtypes.unsigned(old, dt.itemsize) ^ v, dt.itemsize)
     if enc != "ulp" or dt.itemsize > 4:
         raise CodecError(f"bad value encoding {enc!r} for {dt.name}")
+    if old.device.type == "cpu":
+        out = np.empty(old.shape[0], dtype=np.int64)
+        if not _ulp_decode(old.numpy(), np.ascontiguousarray(u, np.uint64), dt.bits,
+                           dt.is_float, out):
+            raise CodecError("ulp delta leaves the dtype's range")
+        return torch.from_numpy(out)
+    return ulp_apply_torch(v, old, dt)
+
+
+def ulp_apply_torch(v: torch.Tensor, old: torch.Tensor, dt: DTypeInfo) -> torch.Tensor:
+    """The device-agnostic (torch) inverse; v holds the zigzag deltas as int64."""
     d = ((v >> 1) & ((1 << 63) - 1)) ^ -(v & 1)  # logical shift: u is unsigned
     key = dtypes.to_key(old, dt) + d
     half = 1 << (dt.bits - 1)

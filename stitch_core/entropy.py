@@ -54,7 +54,14 @@ def detokenize(tokens: np.ndarray, extra: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
+def _histogram(tokens, ctx, counts):  # pragma: no cover - compiled
+    for i in range(tokens.shape[0]):
+        counts[ctx[i], tokens[i]] += 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _tokenize(u, tok, extra, nextra):  # pragma: no cover - compiled
+    total = 0
     for i in range(u.shape[0]):
         v = u[i]
         if v < 16:
@@ -72,6 +79,8 @@ def _tokenize(u, tok, extra, nextra):  # pragma: no cover - compiled
         tok[i] = np.uint8(16 + 4 * (nb - 4) + int((v >> np.uint64(ne)) & np.uint64(3)))
         extra[i] = v & ((np.uint64(1) << np.uint64(ne)) - np.uint64(1))
         nextra[i] = np.uint8(ne)
+        total += ne
+    return total
 
 
 @numba.njit(cache=True, nogil=True)
@@ -286,11 +295,15 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
     """Encode uint64 values under optional contexts (uint8, < n_ctx) into one stream."""
     if not 1 <= n_ctx <= MAX_CONTEXTS:
         raise ValueError("n_ctx out of range")
-    tokens, extra, nextra = tokenize(u)
-    k = tokens.shape[0]
+    u = np.ascontiguousarray(u, dtype=np.uint64)
+    k = u.shape[0]
+    tokens = np.empty(k, dtype=np.uint8)
+    extra = np.empty(k, dtype=np.uint64)
+    nextra = np.empty(k, dtype=np.uint8)
+    extra_bits = _tokenize(u, tokens, extra, nextra)
     ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
-    counts = np.bincount(ctx.astype(np.int64) * 256 + tokens, minlength=n_ctx * 256)
-    counts = counts.reshape(n_ctx, 256)
+    counts = np.zeros((n_ctx, 256), dtype=np.int64)
+    _histogram(tokens, ctx, counts)
     freq = np.stack([normalize(counts[c]) for c in range(n_ctx)]).astype(np.uint32)
     cum = np.zeros_like(freq)
     cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
@@ -304,7 +317,7 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
     buf = np.empty(4 + 2 * k + 16, dtype=np.uint8)  # rANS emits < 2 bytes per 8-bit token
     start = _rans_encode(tokens, ctx, freq, cum, SCALE_BITS, buf)
     rans = buf[start:].tobytes()
-    ebuf = np.empty((int(nextra.astype(np.int64).sum()) + 7) // 8 + 8, dtype=np.uint8)
+    ebuf = np.empty((extra_bits + 7) // 8 + 8, dtype=np.uint8)
     elen = _pack_bits(extra, nextra, ebuf)
     return b"".join(head) + struct.pack("<II", len(rans), elen) + rans + ebuf[:elen].tobytes()
 

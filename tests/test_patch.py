@@ -602,3 +602,27 @@ def test_forge_helper_is_faithful():
     _, h = split(p.data)
     assert forge(p.data, h) == p.data or split(forge(p.data, h))[1] == h
     assert_state(apply(base, forge(p.data, copy.deepcopy(h))), new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float8_e4m3fn, torch.int8, torch.int32])
+def test_ulp_numba_path_equals_torch_path(dtype):
+    """CPU tensors use fused numba loops, accelerators the torch ops: both must agree bitwise."""
+    from stitch_core import codec, dtypes
+
+    g = torch.Generator().manual_seed(7)
+    dt = dtypes.info(dtype)
+    n = 5000
+    old = torch.randint(-(1 << (dt.bits - 1)), 1 << (dt.bits - 1), (n,), generator=g)
+    new = torch.randint(-(1 << (dt.bits - 1)), 1 << (dt.bits - 1), (n,), generator=g)
+    u_numba = codec.values_for("ulp", old, new, dt)
+    u_torch = codec.ulp_values_torch(old, new, dt)
+    assert np.array_equal(u_numba, u_torch)
+    back_numba = codec.apply_values("ulp", u_numba, old, dt)
+    back_torch = codec.ulp_apply_torch(torch.from_numpy(u_torch.view(np.int64)), old, dt)
+    assert torch.equal(back_numba, new) and torch.equal(back_torch, new)
+    ctx = codec.Context(base=100, n=12, sign=True)
+    ub = old & ((1 << dt.bits) - 1)
+    exp = (ub >> dt.mantissa_bits) & ((1 << (dt.bits - 1 - dt.mantissa_bits)) - 1)
+    want = (exp - 100).clamp(0, 11) + 12 * ((ub >> (dt.bits - 1)) & 1)
+    assert np.array_equal(ctx.of(old.numpy(), dt), want.numpy().astype(np.uint8))

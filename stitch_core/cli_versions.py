@@ -17,8 +17,9 @@ from .board import Board, open_board
 from .checkpoint import open_checkpoint
 from .manifest import Manifest
 from .materialize import apply_patches, remove, replace, tmp_sibling
+from .patch import PatchSet
 from .stp import PatchReader
-from .versions import VersionError, fetch_object, plan, read_manifest
+from .versions import VersionError, fetch_object, fetch_patch, plan, read_manifest
 
 PULLED_MANIFEST = "stitch-manifest.json"
 
@@ -32,6 +33,13 @@ def _cache(a: argparse.Namespace) -> Path:
 
 
 # ---------------------------------------------------------------- pull
+
+
+def _open_patch(parts: list[Path]) -> PatchReader | PatchSet:
+    readers = [PatchReader(p) for p in parts]
+    if len(readers) == 1 and readers[0].header.part is None:
+        return readers[0]
+    return PatchSet(readers)
 
 
 async def pull(
@@ -71,15 +79,14 @@ async def pull(
         snap_dir = p.parent
         paths = []
         for s in patches:
-            assert s.manifest.patch is not None
-            paths.append(await fetch_object(board, s.manifest, s.manifest.patch, cache))
+            paths.append(await fetch_patch(board, s.manifest, cache))
             bar.update(s.manifest.patch_bytes)
     target = steps[-1].manifest
     base = open_checkpoint(snap_dir)
     if not base.is_dir:
         raise VersionError("snapshot is not a directory")
     tmp = tmp_sibling(out)
-    readers = [PatchReader(p) for p in paths]
+    readers = [_open_patch(p) for p in paths]
     try:
         tmp.mkdir(parents=True)
         if not readers:

@@ -29,7 +29,7 @@ from .board import Board, open_board
 from .manifest import Announcement, Heartbeat, Manifest, check_run
 from .patch import apply as apply_patch
 from .stp import PatchReader
-from .versions import Step, fetch_object, plan
+from .versions import Step, fetch_object, fetch_patch, plan
 
 log = logging.getLogger("stitch.follower")
 ApplyFn = Callable[[Step, Path], Awaitable[None]]
@@ -187,7 +187,8 @@ class Follower:
                     log.error("follower %s: %s; still at v%s", self.id, self.last_error,
                               self.version)
                     if step.kind == "patch":
-                        path.unlink(missing_ok=True)  # refetch next time
+                        for p in step.paths or [path]:
+                            p.unlink(missing_ok=True)  # refetch next time
                     raise
                 finally:
                     self.applying = False
@@ -210,8 +211,8 @@ class Follower:
     async def _fetch(self, step: Step) -> Path:
         m = step.manifest
         if step.kind == "patch":
-            assert m.patch is not None
-            return await fetch_object(self.board, m, m.patch, self.cache)
+            step.paths = await fetch_patch(self.board, m, self.cache)
+            return step.paths[0]
         paths = [await fetch_object(self.board, m, ref, self.cache)
                  for ref in m.objects if ref.role != "patch"]
         return paths[0].parent
@@ -241,9 +242,9 @@ class MemoryReplica:
         self.digest: str | None = None
 
     async def __call__(self, step: Step, path: Path) -> None:
-        await asyncio.to_thread(self._apply, step.manifest, step.kind, path)
+        await asyncio.to_thread(self._apply, step.manifest, step.kind, path, step.paths)
 
-    def _apply(self, m: Manifest, kind: str, path: Path) -> None:
+    def _apply(self, m: Manifest, kind: str, path: Path, parts: list[Path] | None = None) -> None:
         want = m.fingerprints
         if kind == "snapshot":
             tensors: dict[str, torch.Tensor] = {}
@@ -260,5 +261,6 @@ class MemoryReplica:
         if h.run != m.run or h.target_version != m.version or fps != want:
             raise ValueError(f"patch file does not produce {m.run} v{m.version} of the manifest")
         # in place, undone on any error; every tensor's result is verified against `fps`
-        apply_patch(self.tensors, path, base_fingerprints=self.fingerprints, inplace=True)
+        apply_patch(self.tensors, list(parts or [path]), base_fingerprints=self.fingerprints,
+                    inplace=True)
         self.fingerprints, self.digest = fps, m.digest

@@ -127,12 +127,16 @@ class PatchHeader(BaseModel):
     target_digest: str
     tensors: list[TensorEntry]
     metadata: dict[str, str] = {}
+    part: list[int] | None = None  # [index, count] of a multi-part patch (sharded producers)
 
     @model_validator(mode="after")
     def _unique(self) -> PatchHeader:
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("duplicate tensor names")
+        if self.part is not None and (len(self.part) != 2 or not 0 <= self.part[0] < self.part[1]
+                                      or self.part[1] > 1 << 16):
+            raise ValueError(f"bad part {self.part}")
         return self
 
     @property

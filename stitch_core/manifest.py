@@ -100,7 +100,12 @@ class Manifest(BaseModel):
 
     @property
     def patch(self) -> ObjectRef | None:
-        return next((o for o in self.objects if o.role == "patch"), None)
+        return next(iter(self.patches), None)
+
+    @property
+    def patches(self) -> list[ObjectRef]:
+        """The patch from the parent: one object, or one part per sharded producer."""
+        return sorted((o for o in self.objects if o.role == "patch"), key=lambda o: o.path)
 
     @property
     def weights(self) -> list[ObjectRef]:
@@ -116,7 +121,7 @@ class Manifest(BaseModel):
 
     @property
     def patch_bytes(self) -> int:
-        return self.patch.size if self.patch else 0
+        return sum(o.size for o in self.patches)
 
     @property
     def full_bytes(self) -> int:

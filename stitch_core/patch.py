@@ -78,8 +78,18 @@ class PatchBuilder:
         base: torch.Tensor | None,
         new: torch.Tensor | None,
         base_fp: int | None = None,
+        *,
+        shape: tuple[int, ...] | None = None,
+        offset: int = 0,
     ) -> TensorEntry:
-        """Add one tensor's change. base_fp, when known (the previous version's), saves a pass."""
+        """Add one tensor's change. base_fp, when known (the previous version's), saves a pass.
+
+        Sharded producers (one part of a multi-part patch) pass the tensor's global `shape` and the
+        flat `offset` where this contiguous local slice starts; fingerprints are then partial sums
+        until `finish(totals=...)` replaces them with the all-reduced totals.
+        """
+        if shape is not None and tuple(shape) != tuple(new.shape if new is not None else ()):
+            return self._add_shard(name, base, new, base_fp, tuple(shape), offset)
         if base is not None:
             base_fp = fpr.fingerprint(name, base) if base_fp is None else base_fp
             self._base_fps.append((name, dtypes.info(base.dtype).name, tuple(base.shape), base_fp))
@@ -145,7 +155,72 @@ class PatchBuilder:
         self.entries.append(entry)
         return entry
 
-    def finish(self, metadata: Mapping[str, str] | None = None) -> PatchHeader:
+    def _add_shard(
+        self,
+        name: str,
+        base: torch.Tensor | None,
+        new: torch.Tensor | None,
+        base_fp: int | None,
+        shape: tuple[int, ...],
+        offset: int,
+    ) -> TensorEntry:
+        if base is None or new is None or base.dtype != new.dtype or base.shape != new.shape:
+            raise ValueError(f"{name}: a shard part needs base and new of the same local shape")
+        dt = dtypes.info(new.dtype)
+        bv, nv = dtypes.int_view(base), dtypes.int_view(new)
+        lo, hi = offset, offset + nv.numel()
+        if base_fp is None:
+            base_fp = fpr.fingerprint(name, base, offset=offset)
+        target_fp = base_fp
+        pos_all = torch.nonzero(bv != nv).reshape(-1)
+        first = lo // self._span * self._span
+        bounds = torch.arange(first, hi + self._span, self._span).clamp(lo, hi) - lo
+        cuts = torch.searchsorted(pos_all, bounds.to(pos_all.device)).tolist()
+        chunks: list[Chunk] = []
+        for i in range(len(cuts) - 1):
+            pos_t = pos_all[cuts[i] : cuts[i + 1]]
+            if pos_t.numel() == 0:
+                continue
+            s, e = int(bounds[i]) + lo, int(bounds[i + 1]) + lo
+            old, nw = bv[pos_t].to(torch.int64), nv[pos_t].to(torch.int64)
+            gpos = pos_t + lo
+            target_fp = fpr.update(target_fp, name, gpos, old, nw, dt.itemsize)
+            chunks.append(self._chunk(codec.encode_chunk(gpos.cpu().numpy(), old, nw, dt, s, e)))
+        entry = TensorEntry(
+            name=name,
+            dtype=dt.name,
+            shape=list(shape),
+            kind="patch",
+            base_fp=fpr.fmt(base_fp),
+            target_fp=fpr.fmt(target_fp),
+            changed=sum(c.count for c in chunks),
+            chunks=chunks,
+        )
+        self._base_fps.append((name, dt.name, tuple(shape), base_fp))
+        self._target_fps.append((name, dt.name, tuple(shape), target_fp))
+        self.entries.append(entry)
+        return entry
+
+    def partial_fingerprints(self) -> dict[str, tuple[int, int]]:
+        """name -> (base, target) fingerprints as added (partial sums for shard parts)."""
+        base = {n: fp for n, _, _, fp in self._base_fps}
+        return {n: (base.get(n, 0), fp) for n, _, _, fp in self._target_fps}
+
+    def finish(
+        self,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        totals: Mapping[str, tuple[int, int]] | None = None,
+        part: tuple[int, int] | None = None,
+    ) -> PatchHeader:
+        """Write header and footer. Parts pass the summed (base, target) fingerprints of every
+        tensor in `totals` and their (index, count) in `part`."""
+        if totals is not None:
+            for e in self.entries:
+                b, t = totals[e.name]
+                e.base_fp, e.target_fp = fpr.fmt(b), fpr.fmt(t)
+            self._base_fps = [(n, d, s, totals[n][0]) for n, d, s, _ in self._base_fps]
+            self._target_fps = [(n, d, s, totals[n][1]) for n, d, s, _ in self._target_fps]
         header = PatchHeader(
             **self._meta,
             created=_now(),
@@ -154,6 +229,7 @@ class PatchBuilder:
             target_digest=fpr.digest(self._target_fps),
             tensors=self.entries,
             metadata=dict(metadata or {}),
+            part=list(part) if part else None,
         )
         self.size = self._w.finish(header)
         return header
@@ -250,8 +326,64 @@ def check_compatible(
         )
 
 
+def _identity(h: PatchHeader) -> tuple:
+    tensors = [(t.name, t.dtype, t.shape, t.kind, t.base_fp, t.target_fp) for t in h.tensors]
+    return (h.run, h.base_version, h.target_version, h.base_digest, h.target_digest, tensors)
+
+
+class PatchSet:
+    """One logical patch stored as parts (one per sharded producer), read together.
+
+    Every part lists every tensor with the same dtype, shape and (total) fingerprints; each carries
+    the chunks for the positions its producer held. Parts must agree on run, versions and digests,
+    and their chunks must not overlap.
+    """
+
+    def __init__(self, readers: list[PatchReader]):
+        if not readers:
+            raise _fail("a patch needs at least one part")
+        self.readers = readers
+        h0 = readers[0].header
+        self.header = h0
+        n = len(readers)
+        idx = sorted((r.header.part or [0, 1])[0] for r in readers)
+        if idx != list(range(n)) or any((r.header.part or [0, 1])[1] != n for r in readers):
+            raise _fail(f"patch parts {idx} do not form a complete set of {n}")
+        if any(_identity(r.header) != _identity(h0) for r in readers[1:]):
+            raise _fail("patch parts disagree on versions, tensors or fingerprints")
+        self._entries = [{t.name: t for t in r.header.tensors} for r in readers]
+
+    def chunks(self, name: str) -> list[tuple[PatchReader, Chunk]]:
+        out = sorted(
+            (
+                (r, c)
+                for r, e in zip(self.readers, self._entries, strict=True)
+                for c in e[name].chunks
+            ),
+            key=lambda rc: rc[1].start,
+        )
+        for (_, a), (_, b) in zip(out, out[1:], strict=False):
+            if b.start < a.stop:
+                raise _fail(f"{name}: patch parts overlap")
+        return out
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(r.header.changed_elements for r in self.readers)
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+def _chunk_list(patch: PatchReader | PatchSet, entry: TensorEntry):
+    if isinstance(patch, PatchSet):
+        return patch.chunks(entry.name)
+    return [(patch, c) for c in entry.chunks]
+
+
 def apply_entry(
-    reader: PatchReader,
+    reader: PatchReader | PatchSet,
     entry: TensorEntry,
     base: torch.Tensor | None,
     *,
@@ -318,8 +450,8 @@ def apply_entry(
     return out
 
 
-def _chunks(reader: PatchReader, entry: TensorEntry):
-    for c in entry.chunks:
+def _chunks(patch: PatchReader | PatchSet, entry: TensorEntry):
+    for reader, c in _chunk_list(patch, entry):
         pb, vb = reader.read_chunk(c)
         yield c, pb, vb
 
@@ -354,7 +486,7 @@ def check_digests(header: PatchHeader, base_rows, target_rows) -> None:
 
 def apply(
     base: Mapping[str, torch.Tensor],
-    patch: Patch | bytes | str | os.PathLike,
+    patch: Patch | bytes | str | os.PathLike | list,
     *,
     base_fingerprints: Mapping[str, int] | None = None,
     base_version: int | None = None,
@@ -366,39 +498,61 @@ def apply(
     With inplace=True the base tensors are modified and the same dict is updated; on any error
     every write is undone before the exception propagates.
     """
-    src = patch.data if isinstance(patch, Patch) else patch
-    with PatchReader(src) as reader:
-        header = reader.header
-        check_compatible(header, base.keys(), run=run, base_version=base_version)
-        fps = base_fingerprints or {}
-        out: dict[str, torch.Tensor] = {}
-        undo: list[Callable[[], None]] = []
-        base_rows: list[tuple[str, str, tuple[int, ...], int]] = []
-        target_rows: list[tuple[str, str, tuple[int, ...], int]] = []
-        try:
-            for entry in header.tensors:
-                b = base.get(entry.name)
-                try:
-                    t = apply_entry(
-                        reader,
-                        entry,
-                        b,
-                        base_fp=fps.get(entry.name),
-                        inplace=inplace,
-                        undo=undo if inplace else None,
-                    )
-                except CodecError as e:
-                    raise _fail(f"{entry.name}: corrupt patch data: {e}") from None
-                if t is not None:
-                    out[entry.name] = t
-                    target_rows.append(row(entry.name, t, fpr.parse(entry.target_fp)))
-                if b is not None and entry.base_fp is not None:
-                    base_rows.append(row(entry.name, b, fpr.parse(entry.base_fp)))
-            check_digests(header, base_rows, target_rows)
-        except BaseException:
-            for u in reversed(undo):
-                u()
-            raise
+    srcs = patch if isinstance(patch, list) else [patch]
+    readers: list[PatchReader] = []
+    try:
+        for p in srcs:
+            readers.append(PatchReader(p.data if isinstance(p, Patch) else p))
+        reader: PatchReader | PatchSet = (
+            readers[0]
+            if len(readers) == 1 and readers[0].header.part is None
+            else PatchSet(readers)
+        )
+        return _apply(base, reader, base_fingerprints, base_version, run, inplace)
+    finally:
+        for r in readers:
+            r.close()
+
+
+def _apply(
+    base: Mapping[str, torch.Tensor],
+    reader: PatchReader | PatchSet,
+    base_fingerprints: Mapping[str, int] | None,
+    base_version: int | None,
+    run: str | None,
+    inplace: bool,
+) -> dict[str, torch.Tensor]:
+    header = reader.header
+    check_compatible(header, base.keys(), run=run, base_version=base_version)
+    fps = base_fingerprints or {}
+    out: dict[str, torch.Tensor] = {}
+    undo: list[Callable[[], None]] = []
+    base_rows: list[tuple[str, str, tuple[int, ...], int]] = []
+    target_rows: list[tuple[str, str, tuple[int, ...], int]] = []
+    try:
+        for entry in header.tensors:
+            b = base.get(entry.name)
+            try:
+                t = apply_entry(
+                    reader,
+                    entry,
+                    b,
+                    base_fp=fps.get(entry.name),
+                    inplace=inplace,
+                    undo=undo if inplace else None,
+                )
+            except CodecError as e:
+                raise _fail(f"{entry.name}: corrupt patch data: {e}") from None
+            if t is not None:
+                out[entry.name] = t
+                target_rows.append(row(entry.name, t, fpr.parse(entry.target_fp)))
+            if b is not None and entry.base_fp is not None:
+                base_rows.append(row(entry.name, b, fpr.parse(entry.base_fp)))
+        check_digests(header, base_rows, target_rows)
+    except BaseException:
+        for u in reversed(undo):
+            u()
+        raise
     if inplace and isinstance(base, dict):
         base.clear()
         base.update(out)

@@ -65,6 +65,11 @@ async def read_manifest(board: Board, run: str, version: int) -> Manifest:
     return m
 
 
+async def fetch_patch(board: Board, m: Manifest, cache: Path) -> list[Path]:
+    """All parts of a version's patch, fetched and verified."""
+    return [await fetch_object(board, m, ref, cache) for ref in m.patches]
+
+
 async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -> Path:
     """Download one object into the node-local cache once; verify size and SHA-256."""
     dest = cache / m.run / f"{m.version:06d}" / ref.path
@@ -89,6 +94,7 @@ class Step:
 
     kind: str  # "snapshot" | "patch"
     manifest: Manifest
+    paths: list[Path] | None = None  # local files of the patch (parts), once fetched
 
     @property
     def version(self) -> int:

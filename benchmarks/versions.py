@@ -86,6 +86,7 @@ async def follow(
         heartbeat_interval=3600,
     )
     await f.start()
+    out["follower_obj"] = f
     ready.set()
     await stop.wait()
     out["history"] = f.history
@@ -141,12 +142,17 @@ def main() -> None:
             fake_step(model, opt, g)
             info = pub.publish(step, model)
             m = info.result()
+            f = None
+            for _ in range(600):  # let the follower finish before measuring the baseline
+                f = out.get("follower_obj")
+                if f is not None and f.version is not None and f.version >= m.version:
+                    break
+                time.sleep(0.05)
             cur = project(dict(model.state_dict()), "bf16")
             t0 = time.perf_counter()
             diff(prev_view, cur, base_fingerprints=prev_fps)
             encode_s = time.perf_counter() - t0
             prev_view, prev_fps = cur, m.fingerprints
-            time.sleep(0.3)  # let the follower finish before the next publish
             rows.append(
                 {
                     "version": m.version,

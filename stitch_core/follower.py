@@ -133,15 +133,23 @@ class Follower:
         self._wake.set()
 
     async def _loop(self) -> None:
+        woken = False
         while True:
             try:
-                await self.sync()
+                if woken and self.latest is not None and (
+                        self.version is None or self.latest > self.version):
+                    await self.catch_up(self.latest)  # announced: no need to read `latest`
+                else:
+                    await self.sync()  # timer tick (or a wake with nothing new): reconcile
             except Exception as e:  # keep following; the next tick retries
                 self.last_error = str(e)
                 log.warning("follower %s: %s", self.id, e)
             self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._wake.wait(), self.reconcile_interval)
+                woken = True
+            except TimeoutError:
+                woken = False
 
     async def _heartbeats(self) -> None:
         from .announce import publish_heartbeat

@@ -83,6 +83,7 @@ class BoardHandler(BaseHTTPRequestHandler):
     server_version = "stitch-board"
     protocol_version = "HTTP/1.1"
     timeout = 120  # idle keep-alive connections
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
 
     def do_GET(self) -> None:
         self._serve(body=True)

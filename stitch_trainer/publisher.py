@@ -27,7 +27,14 @@ from stitch_core import dtypes
 from stitch_core import fingerprint as fpr
 from stitch_core.board import Board, open_board
 from stitch_core.checkpoint import save_shard, write_index
-from stitch_core.manifest import Announcement, Manifest, TensorInfo, check_run, manifest_key
+from stitch_core.manifest import (
+    Announcement,
+    Manifest,
+    TensorInfo,
+    check_run,
+    manifest_key,
+    version_dir,
+)
 from stitch_core.patch import PatchBuilder
 from stitch_core.versions import now, object_ref, write_version
 from stitch_core.views import project
@@ -114,7 +121,8 @@ class Publisher:
         self._prev_view: dict[str, torch.Tensor] | None = None  # projection's pinning source
         self._error: BaseException | None = None
         latest = self._call(self._init())
-        self._next_version = 0 if latest is None else latest.version + 1
+        self._next_version = self._call(self._first_free(0 if latest is None else
+                                                         latest.version + 1))
         self._published: int | None = None if latest is None else latest.version
         self._closed = False
         self._worker = threading.Thread(target=self._drain, daemon=True, name="stitch-publisher")
@@ -223,6 +231,15 @@ class Publisher:
             self._js = self._nc.jetstream()
             await ensure_streams(self._js, self.run)
         return await self.board.read_latest(self.run)
+
+    async def _first_free(self, version: int) -> int:
+        """Skip numbers where a publish that died before moving `latest` left objects behind
+        (versions are immutable, so they cannot be rewritten)."""
+        while any([await self.board.exists(f"{version_dir(self.run, version)}/{name}")
+                   for name in ("manifest.json", "patch.stp", "model.safetensors")]):
+            log.warning("%s v%d holds objects of a failed publish: skipping it", self.run, version)
+            version += 1
+        return version
 
     async def _shutdown(self) -> None:
         if self._nc is not None:

@@ -229,3 +229,13 @@ def test_publisher_resumes_a_run_with_a_snapshot(published, tmp_path):
         info = pub.publish(100, TinyLM())
         m = info.result()
     assert m.version == N_VERSIONS and m.kind == "snapshot" and m.parent == N_VERSIONS - 1
+
+
+def test_publisher_skips_numbers_left_by_a_crashed_publish(published, tmp_path):
+    board = _copy_board(published[0], tmp_path / "b")
+    orphan = board / RUN / "versions" / f"{N_VERSIONS:06d}"
+    orphan.mkdir()
+    (orphan / "patch.stp").write_bytes(b"left by a publisher that died before moving latest")
+    with Publisher(str(board), RUN, "bf16") as pub:
+        m = pub.publish(7, TinyLM()).result()
+    assert m.version == N_VERSIONS + 1 and m.parent == N_VERSIONS - 1

@@ -156,32 +156,6 @@ def _pack_bits(values, nbits, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _unpack_bits(data, nbits, out):  # pragma: no cover - compiled
-    acc = np.uint64(0)
-    have = 0
-    p = 0
-    for i in range(nbits.shape[0]):
-        n = int(nbits[i])
-        v = np.uint64(0)
-        shift = 0
-        while n > 0:
-            take = 32 if n > 32 else n
-            while have < take:
-                if p >= data.shape[0]:
-                    return -1
-                acc |= np.uint64(data[p]) << np.uint64(have)
-                p += 1
-                have += 8
-            v |= (acc & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(shift)
-            acc >>= np.uint64(take)
-            have -= take
-            shift += take
-            n -= take
-        out[i] = v
-    return p
-
-
-@numba.njit(cache=True, nogil=True)
 def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover - compiled
     """Encode in reverse into the tail of `out`; returns the start index of the stream."""
     p = out.shape[0]

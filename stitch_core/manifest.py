@@ -153,6 +153,13 @@ class Announcement(BaseModel):
     created: str = ""
 
 
+def announcement(m: Manifest, board_url: str) -> Announcement:
+    """The announcement of a published version."""
+    return Announcement(run=m.run, version=m.version, parent=m.parent, kind=m.kind,
+                        board=board_url, manifest=manifest_key(m.run, m.version),
+                        patch_bytes=m.patch_bytes, digest=m.digest, created=m.created)
+
+
 class Heartbeat(BaseModel):
     """Published by followers on `stitch.<run>.engines.<id>`."""
 

@@ -43,11 +43,11 @@ from stitch_core import fingerprint as fpr
 from stitch_core.board import Board, open_board
 from stitch_core.checkpoint import Checkpoint, open_checkpoint, save_shard, write_index
 from stitch_core.manifest import (
-    Announcement,
     Latest,
     Manifest,
     ObjectRef,
     TensorInfo,
+    announcement,
     check_run,
     manifest_key,
     version_dir,
@@ -533,20 +533,7 @@ class FSDPPublisher:
             return
         from stitch_core.announce import announce
 
-        await announce(
-            self._js,
-            Announcement(
-                run=m.run,
-                version=m.version,
-                parent=m.parent,
-                kind=m.kind,
-                board=self.board.url,
-                manifest=manifest_key(m.run, m.version),
-                patch_bytes=m.patch_bytes,
-                digest=m.digest,
-                created=m.created,
-            ),
-        )
+        await announce(self._js, announcement(m, self.board.url))
 
 
 def _sha(m: Manifest) -> str:

@@ -28,11 +28,10 @@ from stitch_core import fingerprint as fpr
 from stitch_core.board import Board, open_board
 from stitch_core.checkpoint import save_shard, write_index
 from stitch_core.manifest import (
-    Announcement,
     Manifest,
     TensorInfo,
+    announcement,
     check_run,
-    manifest_key,
     version_dir,
 )
 from stitch_core.patch import PatchBuilder
@@ -330,20 +329,7 @@ class Publisher:
         if self._js is not None:
             from stitch_core.announce import announce
 
-            await announce(
-                self._js,
-                Announcement(
-                    run=self.run,
-                    version=m.version,
-                    parent=m.parent,
-                    kind=m.kind,
-                    board=self.board.url,
-                    manifest=manifest_key(self.run, m.version),
-                    patch_bytes=m.patch_bytes,
-                    digest=m.digest,
-                    created=m.created,
-                ),
-            )
+            await announce(self._js, announcement(m, self.board.url))
         log.info(
             "published %s v%d (%s, step %s, %s bytes)",
             self.run,

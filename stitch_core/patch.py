@@ -8,6 +8,7 @@ payload is rejected with a PatchError and nothing is returned (or, in place, eve
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -201,6 +202,41 @@ class PatchBuilder:
         self.entries.append(entry)
         return entry
 
+    def add_positions(self, name: str, positions, old, new, *, dtype: torch.dtype,
+                      shape: tuple[int, ...], base_fp: int) -> TensorEntry:
+        """Add changes a producer holds at scattered global positions (e.g. a row-parallel TP
+        shard): sorted unique int64 `positions`, the `old`/`new` bits there, and `base_fp`, the
+        partial fingerprint of every element this producer holds. Part of a multi-part patch."""
+        dt = dtypes.info(dtype)
+        pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu()
+        old = torch.as_tensor(old).reshape(-1).to(torch.int64).cpu()
+        new = torch.as_tensor(new).reshape(-1).to(torch.int64).cpu()
+        if not (pos.numel() == old.numel() == new.numel()) or (
+                pos.numel() > 1 and bool((pos[1:] <= pos[:-1]).any())):
+            raise ValueError(f"{name}: positions must be sorted, unique and match old/new")
+        numel = math.prod(shape)
+        if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= numel):
+            raise ValueError(f"{name}: position out of range")
+        target_fp = fpr.update(base_fp, name, pos, old, new, dt.itemsize) if pos.numel() \
+            else base_fp
+        chunks: list[Chunk] = []
+        if pos.numel():
+            win = torch.div(pos, self._span, rounding_mode="floor")
+            cuts = [0, *(torch.nonzero(win[1:] != win[:-1]).reshape(-1) + 1).tolist(),
+                    pos.numel()]
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                s = int(win[a]) * self._span
+                e = min(s + self._span, numel)
+                enc = codec.encode_chunk(pos[a:b].numpy(), old[a:b], new[a:b], dt, s, e)
+                chunks.append(self._chunk(enc))
+        entry = TensorEntry(name=name, dtype=dt.name, shape=list(shape), kind="patch",
+                            base_fp=fpr.fmt(base_fp), target_fp=fpr.fmt(target_fp),
+                            changed=sum(c.count for c in chunks), chunks=chunks)
+        self._base_fps.append((name, dt.name, tuple(shape), base_fp))
+        self._target_fps.append((name, dt.name, tuple(shape), target_fp))
+        self.entries.append(entry)
+        return entry
+
     def partial_fingerprints(self) -> dict[str, tuple[int, int]]:
         """name -> (base, target) fingerprints as added (partial sums for shard parts)."""
         base = {n: fp for n, _, _, fp in self._base_fps}
@@ -354,18 +390,12 @@ class PatchSet:
         self._entries = [{t.name: t for t in r.header.tensors} for r in readers]
 
     def chunks(self, name: str) -> list[tuple[PatchReader, Chunk]]:
-        out = sorted(
-            (
-                (r, c)
-                for r, e in zip(self.readers, self._entries, strict=True)
-                for c in e[name].chunks
-            ),
-            key=lambda rc: rc[1].start,
-        )
-        for (_, a), (_, b) in zip(out, out[1:], strict=False):
-            if b.start < a.stop:
-                raise _fail(f"{name}: patch parts overlap")
-        return out
+        """Chunks of every part, by window. Windows of different parts may overlap (scattered
+        shards such as row-parallel TP slices); their positions must not, which the target
+        fingerprint proves: a position written twice decodes against the wrong old value."""
+        parts = zip(self.readers, self._entries, strict=True)
+        return sorted(((r, c) for r, e in parts for c in e[name].chunks),
+                      key=lambda rc: rc[1].start)
 
     @property
     def changed_elements(self) -> int:

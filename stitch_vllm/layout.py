@@ -1,0 +1,523 @@
+"""Learn where each HF weight element lives in a vLLM engine, and patch it there.
+
+Prototype (groundwork for making a stock vLLM engine a Stitch follower).
+
+A Stitch patch addresses the *served view*: HF tensor names, flat positions in
+HF shape, new bits.  vLLM stores weights differently: q/k/v fused into
+``qkv_proj``, gate/up into ``gate_up_proj``, vocab rows padded to a multiple of
+64, every linear sharded over tensor-parallel ranks.  Rather than re-deriving
+those rules per architecture, we let the model's *own* ``load_weights`` tell
+us: each engine parameter's ``.data`` is temporarily swapped for an int64
+shadow filled with -1, and the model loads ``arange`` index tensors in HF
+shape (offset by a per-tensor base, so one load can carry several tensors).
+Whatever the loaders narrow / concatenate / pad, each shadow element ends up
+holding ``base[t] + hf_flat_pos`` of the HF element it came from (0 where a
+loader wrote a constant, e.g. zeroed vocab padding; -1 where nothing was
+written).  That gives, per rank, an exact map HF position -> (engine param,
+flat position), stored compactly as runs.
+
+Applying a decoded patch chunk is then an index_put on an integer view of the
+engine parameter (bit-exact; a widening conversion when the engine keeps the
+parameter in another dtype).
+
+CPU caveat: on CPUs where vLLM's CPU backend can pack linear weights (oneDNN
+``create_onednn_mm`` or the AMX ``convert_weight_packed`` path;
+``vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm``) the
+kernel reads a private packed copy and ``layer.weight`` of linear layers is
+replaced by an empty tensor.  ``install_cpu_weight_keeper()`` (call it in every
+worker process before the model loads, e.g. from a ``vllm.general_plugins``
+entry point) keeps the unpacked master weight on the layer so it can be
+patched and re-packed (``repack_dirty``).  On GPUs there is no such packing:
+the kernels read ``param.data`` directly.
+
+Works in any process that holds the model; ``StitchWorkerExtension`` exposes
+it through ``worker_extension_cls`` / ``collective_rpc`` on every TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Segment",
+    "TensorMap",
+    "Layout",
+    "read_safetensors_shapes",
+    "engine_params",
+    "learn_layout",
+    "apply_chunk",
+    "apply_chunks",
+    "install_cpu_weight_keeper",
+    "repack_dirty",
+    "StitchWorkerExtension",
+]
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+    "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoint header reading (no tensor data is loaded)
+# --------------------------------------------------------------------------- #
+def read_safetensors_shapes(model_dir) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{hf_name: (shape, dtype)} from every ``*.safetensors`` header in ``model_dir``."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            out[name] = (tuple(meta["shape"]), _ST_DTYPES[meta["dtype"]])
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Layout data structures
+# --------------------------------------------------------------------------- #
+@dataclass
+class Segment:
+    """Non-overlapping runs from one HF tensor into one engine parameter.
+
+    Run i maps HF flat positions ``[hf_start[i], hf_start[i]+length[i])`` to
+    engine flat positions ``[eng_start[i], ...)``.  ``hf_start`` is sorted.  If
+    a loader writes one HF element to several places of the same parameter,
+    there is one Segment per copy.
+    """
+
+    param: str
+    hf_start: np.ndarray
+    eng_start: np.ndarray
+    length: np.ndarray
+
+    @property
+    def n_elems(self) -> int:
+        return int(self.length.sum())
+
+    def locate(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask into ``pos`` of positions this segment holds, their engine positions)."""
+        hs = torch.from_numpy(self.hf_start)
+        idx = torch.searchsorted(hs, pos, right=True) - 1
+        ok = idx >= 0
+        idx = idx.clamp_min(0)
+        start = hs[idx]
+        ok &= pos < start + torch.from_numpy(self.length)[idx]
+        eng = torch.from_numpy(self.eng_start)[idx] + (pos - start)
+        return ok, eng[ok]
+
+
+@dataclass
+class TensorMap:
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    hf_dtype: torch.dtype
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def hf_numel(self) -> int:
+        return int(np.prod(self.hf_shape, dtype=np.int64))
+
+
+@dataclass
+class Layout:
+    """Per-rank map from HF tensors to engine parameters."""
+
+    tensors: dict[str, TensorMap]
+    param_shapes: dict[str, tuple[int, ...]]
+    param_dtypes: dict[str, torch.dtype]
+    # engine elements written with a constant (e.g. vocab padding) / never written
+    param_const: dict[str, int]
+    param_unwritten: dict[str, int]
+    rank_info: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Small picklable description (for collective_rpc replies / logs)."""
+        per_param: dict[str, dict[str, Any]] = {}
+        for p, shape in self.param_shapes.items():
+            per_param[p] = {"shape": list(shape), "dtype": str(self.param_dtypes[p]),
+                            "mapped": 0, "runs": 0, "sources": [],
+                            "const": self.param_const.get(p, 0),
+                            "unwritten": self.param_unwritten.get(p, 0)}
+        for t in self.tensors.values():
+            for s in t.segments:
+                d = per_param[s.param]
+                d["mapped"] += s.n_elems
+                d["runs"] += len(s.length)
+                d["sources"].append(t.hf_name)
+        return {"rank": self.rank_info, "params": per_param,
+                "hf_mapped": {n: sum(s.n_elems for s in t.segments)
+                              for n, t in self.tensors.items()}}
+
+
+# --------------------------------------------------------------------------- #
+# Engine parameters (with kept CPU masters substituted)
+# --------------------------------------------------------------------------- #
+def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Canonical engine params; a CPU-packed layer's kept master replaces its empty weight."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if pname == "weight" and getattr(mod, "_stitch_master_weight", None) is not None:
+                p = mod._stitch_master_weight
+            out.setdefault(full, p)
+    # drop aliases (tied weights) keeping the first name, like named_parameters()
+    seen: dict[int, str] = {}
+    canon: dict[str, torch.nn.Parameter] = {}
+    for n, p in out.items():
+        if id(p) in seen:
+            continue
+        seen[id(p)] = n
+        canon[n] = p
+    return canon
+
+
+class _MastersInstalled:
+    """Temporarily put kept CPU master weights back on their layers."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+
+    def __enter__(self):
+        for mod in self.model.modules():
+            master = getattr(mod, "_stitch_master_weight", None)
+            if master is not None and mod._parameters.get("weight") is not master:
+                self.swapped.append((mod, mod._parameters["weight"]))
+                mod._parameters["weight"] = master
+        return self
+
+    def __exit__(self, *exc):
+        for mod, empty in self.swapped:
+            mod._parameters["weight"] = empty
+        return False
+
+
+def _group_key(name: str) -> str:
+    m = _LAYER_RE.search(name)
+    return f"layer{int(m.group(1)):06d}" if m else "rest"
+
+
+# --------------------------------------------------------------------------- #
+# Learning the layout
+# --------------------------------------------------------------------------- #
+def learn_layout(
+    model: torch.nn.Module,
+    hf_shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype] | tuple[int, ...]],
+    *,
+    group_by_layer: bool = True,
+    shadow_device: str | torch.device = "cpu",
+    rank_info: dict[str, Any] | None = None,
+) -> Layout:
+    """Learn the HF -> engine map by loading index tensors with the model's own loaders.
+
+    Must run while the engine is idle (between steps): engine ``.data`` is
+    swapped out during the call and restored afterwards.  Groups (one per
+    decoder layer plus "rest") bound the int64 shadow memory to one layer at a
+    time; a loader that writes outside its group raises (the engine should then
+    be reloaded, its weights are no longer trusted).
+    """
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for n, v in hf_shapes.items():
+        if len(v) == 2 and isinstance(v[1], torch.dtype):
+            shapes[n] = (tuple(v[0]), v[1])
+        else:
+            shapes[n] = (tuple(v), torch.bfloat16)
+
+    with _MastersInstalled(model):
+        params = engine_params(model)
+        key = _group_key if group_by_layer else (lambda n: "all")
+        groups = sorted({key(n) for n in shapes})
+        tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
+        const: dict[str, int] = {}
+        unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
+
+        for g in groups:
+            g_hf = [n for n in shapes if key(n) == g]
+            g_params = {n: p for n, p in params.items() if key(n) == g}
+            bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
+            bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
+            for i, n in enumerate(g_hf):
+                bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
+
+            saved: dict[str, torch.Tensor] = {}
+            saved_rg: dict[str, bool] = {}
+            shadows: dict[str, torch.Tensor] = {}
+            loaded: Any = None
+            try:
+                for n, p in g_params.items():
+                    saved[n] = p.data
+                    saved_rg[n] = p.requires_grad
+                    p.requires_grad_(False)  # int .data is refused on grad params
+                    shadows[n] = torch.full(tuple(p.shape), -1, dtype=torch.int64,
+                                            device=shadow_device)
+                    p.data = shadows[n]
+
+                def index_tensors(g_hf=g_hf, bases=bases):
+                    for i, n in enumerate(g_hf):
+                        shape = shapes[n][0]
+                        numel = int(np.prod(shape, dtype=np.int64))
+                        yield n, (torch.arange(numel, dtype=torch.int64)
+                                  + int(bases[i])).reshape(shape)
+
+                loaded = model.load_weights(index_tensors())
+            finally:
+                for n, p in g_params.items():
+                    if n in saved:
+                        p.data = saved[n]
+                        p.requires_grad_(saved_rg[n])
+            if isinstance(loaded, set):
+                # names the loaders reported as loaded must all have been shadowed
+                outside = {ln for ln in loaded if ln in params and ln not in g_params}
+                if outside:
+                    raise RuntimeError(
+                        f"layout learning for group {g!r} loaded params outside the group "
+                        f"{sorted(outside)[:5]}: their engine data now holds index values; "
+                        "reload the engine weights")
+
+            for pn, sh in shadows.items():
+                flat = sh.view(-1).cpu().numpy()
+                pos_mask = flat > 0
+                const[pn] = int((flat == 0).sum())
+                unwritten[pn] = int((flat < 0).sum())
+                eng = np.nonzero(pos_mask)[0].astype(np.int64)
+                vals = flat[pos_mask]
+                if not len(vals):
+                    continue
+                tid = np.searchsorted(bases, vals, side="right") - 1
+                for t in np.unique(tid):
+                    sel = tid == t
+                    hf_pos = vals[sel] - bases[t]
+                    tensors[g_hf[t]].segments.extend(_runs(pn, hf_pos, eng[sel]))
+                del flat
+            shadows.clear()
+
+    return Layout(
+        tensors=tensors,
+        param_shapes={n: tuple(p.shape) for n, p in params.items()},
+        param_dtypes={n: p.dtype for n, p in params.items()},
+        param_const=const,
+        param_unwritten=unwritten,
+        rank_info=dict(rank_info or {}),
+    )
+
+
+def _runs(param: str, hf_pos: np.ndarray, eng_pos: np.ndarray) -> list[Segment]:
+    order = np.lexsort((eng_pos, hf_pos))
+    hf_pos, eng_pos = hf_pos[order], eng_pos[order]
+    # occurrence index of each hf position (0 for the first engine copy, 1, ...)
+    if len(hf_pos) > 1 and np.any(hf_pos[1:] == hf_pos[:-1]):
+        first = np.r_[True, hf_pos[1:] != hf_pos[:-1]]
+        grp_start = np.maximum.accumulate(np.where(first, np.arange(len(hf_pos)), 0))
+        occ = np.arange(len(hf_pos)) - grp_start
+    else:
+        occ = np.zeros(len(hf_pos), dtype=np.int64)
+    segs = []
+    for k in np.unique(occ):
+        h, e = hf_pos[occ == k], eng_pos[occ == k]
+        brk = np.r_[True, (np.diff(h) != 1) | (np.diff(e) != 1)]
+        starts = np.nonzero(brk)[0]
+        lengths = np.diff(np.r_[starts, len(h)])
+        segs.append(Segment(param, h[starts].astype(np.int64), e[starts].astype(np.int64),
+                            lengths.astype(np.int64)))
+    return segs
+
+
+# --------------------------------------------------------------------------- #
+# Applying patches
+# --------------------------------------------------------------------------- #
+def apply_chunk(
+    params: Mapping[str, torch.Tensor],
+    layout: Layout,
+    hf_name: str,
+    positions,
+    values,
+    dirty: set[str] | None = None,
+) -> int:
+    """Write new values of HF tensor ``hf_name`` at HF flat ``positions`` into the engine.
+
+    ``values`` is a tensor in the HF dtype (or a same-itemsize integer tensor
+    holding its raw bits, e.g. int16 for bf16, or those bits as ``bytes``);
+    ``positions`` an int64 array/tensor or its ``bytes``.  Use bytes through
+    ``collective_rpc`` with multiprocessing: vLLM's msgpack encoder turns numpy
+    arrays / tensors into memoryviews that the worker MessageQueue cannot pickle.
+    Returns the number of engine elements written (0 if no part of the tensor
+    lives on this rank).
+    """
+    tmap = layout.tensors[hf_name]
+    if isinstance(positions, (bytes, bytearray, memoryview)):
+        positions = np.frombuffer(positions, dtype=np.int64)
+    if isinstance(values, (bytes, bytearray, memoryview)):  # raw little-endian bits
+        iv = _INT_VIEW[tmap.hf_dtype.itemsize]
+        values = torch.frombuffer(bytearray(values), dtype=iv)
+    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    vals = torch.as_tensor(values).reshape(-1)
+    if vals.dtype != tmap.hf_dtype:
+        if vals.element_size() == tmap.hf_dtype.itemsize and not vals.is_floating_point():
+            vals = vals.view(tmap.hf_dtype)
+        else:
+            raise TypeError(f"{hf_name}: values dtype {vals.dtype} != HF dtype {tmap.hf_dtype}")
+    if pos.numel() != vals.numel():
+        raise ValueError(f"{hf_name}: {pos.numel()} positions vs {vals.numel()} values")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tmap.hf_numel):
+        raise IndexError(f"{hf_name}: position out of range [0, {tmap.hf_numel})")
+    written = 0
+    for seg in tmap.segments:
+        ok, eng = seg.locate(pos)
+        if not eng.numel():
+            continue
+        p = params[seg.param]
+        data = p.data
+        if not data.is_contiguous():
+            raise RuntimeError(f"{seg.param}: non-contiguous engine param")
+        flat = data.view(-1)
+        v = vals[ok]
+        if data.dtype == v.dtype:
+            iv = _INT_VIEW[data.element_size()]
+            flat.view(iv).index_put_((eng.to(data.device),), v.view(iv).to(data.device))
+        else:  # engine keeps another dtype (e.g. fp32 engine, fp32 bias on AMX)
+            flat.index_put_((eng.to(data.device),), v.to(data.device).to(data.dtype))
+        written += int(eng.numel())
+        if dirty is not None:
+            dirty.add(seg.param)
+    return written
+
+
+def apply_chunks(model, layout: Layout, chunks: Iterable[tuple[str, Any, Any]],
+                 repack: bool = True) -> dict[str, Any]:
+    """Apply several (hf_name, positions, values) chunks, then re-pack touched CPU layers."""
+    params = engine_params(model)
+    dirty: set[str] = set()
+    n = 0
+    for name, pos, vals in chunks:
+        n += apply_chunk(params, layout, name, pos, vals, dirty)
+    repacked = repack_dirty(model, dirty) if repack else []
+    return {"written": n, "params": sorted(dirty), "repacked": repacked}
+
+
+# --------------------------------------------------------------------------- #
+# CPU backend: keep master weights of packed linear layers, re-pack on change
+# --------------------------------------------------------------------------- #
+_ORIG_DISPATCH = None
+
+
+def install_cpu_weight_keeper() -> bool:
+    """Wrap vLLM's CPU gemm dispatch so packed layers keep their unpacked weight.
+
+    Must run in each worker process before the model is loaded (a
+    ``vllm.general_plugins`` entry point runs there; with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 and TP=1 calling it in-process suffices).
+    Costs one extra copy of every packed linear weight.  Idempotent.
+    """
+    global _ORIG_DISPATCH
+    try:
+        import vllm.model_executor.layers.utils as lu
+    except ImportError:
+        return False
+    if _ORIG_DISPATCH is not None:
+        return True
+    orig = lu.dispatch_cpu_unquantized_gemm
+    _ORIG_DISPATCH = orig
+
+    def dispatch(layer, remove_weight):
+        master = layer.weight
+        orig(layer, remove_weight)
+        layer._stitch_remove_weight = remove_weight
+        packed = getattr(getattr(layer, "cpu_linear", None), "__closure__", None) is not None
+        layer._stitch_cpu_packed = packed
+        if layer.weight is not master:  # weight emptied: keep the master for patching
+            layer._stitch_master_weight = master
+
+    dispatch.__wrapped__ = orig  # type: ignore[attr-defined]
+    lu.dispatch_cpu_unquantized_gemm = dispatch
+    return True
+
+
+def repack_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:
+    """Re-run the CPU gemm dispatch for layers whose weight changed and is packed."""
+    if _ORIG_DISPATCH is None:
+        return []
+    mods = dict(model.named_modules())
+    done = []
+    for pname in sorted(set(dirty_params)):
+        mod_name, _, attr = pname.rpartition(".")
+        mod = mods.get(mod_name)
+        if mod is None or not getattr(mod, "_stitch_cpu_packed", False):
+            continue
+        if attr != "weight":  # biases are read at call time (fp32 on the AMX path)
+            continue
+        master = getattr(mod, "_stitch_master_weight", None)
+        if master is not None:
+            # put the (patched) master back, re-pack from it; dispatch empties it again
+            mod._parameters["weight"] = master
+        _ORIG_DISPATCH(mod, mod._stitch_remove_weight)
+        done.append(mod_name)
+    return sorted(set(done))
+
+
+# --------------------------------------------------------------------------- #
+# Worker extension (worker_extension_cls="stitch_vllm.layout.StitchWorkerExtension")
+# --------------------------------------------------------------------------- #
+class StitchWorkerExtension:
+    """Mixed into vLLM's worker class; methods are reachable by ``collective_rpc``.
+
+    Every name starts with ``stitch_`` (vLLM asserts no clash with the worker).
+    """
+
+    def _stitch_model(self):
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def stitch_rank_info(self) -> dict[str, Any]:
+        from vllm.distributed import parallel_state as ps
+
+        info = {"rank": getattr(self, "rank", None)}
+        try:
+            info["tp_rank"] = ps.get_tensor_model_parallel_rank()
+            info["tp_size"] = ps.get_tensor_model_parallel_world_size()
+        except Exception:  # pragma: no cover
+            pass
+        return info
+
+    def stitch_learn_layout(self, hf_shapes=None) -> dict[str, Any]:
+        model = self._stitch_model()
+        if hf_shapes is None:
+            hf_shapes = read_safetensors_shapes(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        self._stitch_layout = learn_layout(model, hf_shapes, rank_info=self.stitch_rank_info())
+        return self._stitch_layout.summary()
+
+    def stitch_apply(self, chunks, repack: bool = True) -> dict[str, Any]:
+        """chunks: list of (hf_name, positions, values) as accepted by ``apply_chunk``.
+
+        Through collective_rpc with worker processes pass bytes, not arrays.
+        """
+        return apply_chunks(self._stitch_model(), self._stitch_layout, chunks, repack=repack)
+
+    def stitch_param_bytes(self, names=None) -> dict[str, bytes]:
+        """Raw bytes of engine params (kept masters for packed CPU layers); for tests."""
+        params = engine_params(self._stitch_model())
+        return {n: p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for n, p in params.items() if names is None or n in names}
+
+    def stitch_param_shapes(self) -> dict[str, Any]:
+        """Shapes of ``named_parameters`` as vLLM exposes them (packed layers may be empty)."""
+        return {n: (tuple(p.shape), str(p.dtype))
+                for n, p in self._stitch_model().named_parameters()}

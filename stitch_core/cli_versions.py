@@ -362,3 +362,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1")
     sv.set_defaults(fn=cmd_board_serve)
+
+    # `stitch analyze`: defined in stitch_trainer.analyze (transformers/matplotlib load on use)
+    from stitch_trainer.analyze import add_parser as add_analyze
+
+    add_analyze(sub)

@@ -94,11 +94,9 @@ class Follower:
 
     async def start(self) -> None:
         if self.nats_url:
-            import nats
+            from .announce import connect, ensure_streams, subscribe_versions
 
-            from .announce import ensure_streams, subscribe_versions
-
-            self._nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1)
+            self._nc = await connect(self.nats_url, name=f"stitch-follower-{self.id}")
             self._js = self._nc.jetstream()
             await ensure_streams(self._js, self.run)
             self._sub = await subscribe_versions(self._js, self.run, self._on_announcement)
@@ -112,6 +110,9 @@ class Follower:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.drain()

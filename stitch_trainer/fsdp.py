@@ -419,11 +419,9 @@ class FSDPPublisher:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _connect(self, url: str) -> None:
-        import nats
+        from stitch_core.announce import connect, ensure_streams
 
-        from stitch_core.announce import ensure_streams
-
-        self._nc = await nats.connect(url)
+        self._nc = await connect(url, name=f"stitch-fsdp-{self.run}")
         self._js = self._nc.jetstream()
         await ensure_streams(self._js, self.run)
 

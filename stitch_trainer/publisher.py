@@ -222,11 +222,9 @@ class Publisher:
         self._base: tuple[int, dict[str, torch.Tensor], dict[str, int]] | None = None
         self._js = self._nc = None
         if self.nats_url:
-            import nats
+            from stitch_core.announce import connect, ensure_streams
 
-            from stitch_core.announce import ensure_streams
-
-            self._nc = await nats.connect(self.nats_url)
+            self._nc = await connect(self.nats_url, name=f"stitch-publisher-{self.run}")
             self._js = self._nc.jetstream()
             await ensure_streams(self._js, self.run)
         return await self.board.read_latest(self.run)

@@ -32,6 +32,10 @@ the kernels read ``param.data`` directly.
 
 Works in any process that holds the model; ``StitchWorkerExtension`` exposes
 it through ``worker_extension_cls`` / ``collective_rpc`` on every TP rank.
+
+Pitfall (vLLM 0.32, CPU): at worker start-up vLLM scans every loaded module and fails on
+llvmlite objects (`'_lib_fn_wrapper' object has no attribute 'get'`). stitch_core's codec uses
+numba (llvmlite), so inside an engine process it must be imported only after the engine is up.
 """
 
 from __future__ import annotations

@@ -153,7 +153,12 @@ class FSDPPublisher:
 
     Call `start_from(checkpoint)` once, then `publish(step, model)` on every rank after each
     optimizer step. Each rank holds its shard of the previous view in (host) memory.
+
+    Subclasses publish other shardings by overriding `_local_plan` and `_diff_local` (see
+    `stitch_trainer.megatron_publisher.MegatronPublisher`).
     """
+
+    _producer = "fsdp"
 
     def __init__(
         self,
@@ -170,11 +175,13 @@ class FSDPPublisher:
         v = parse_view(view)
         if v.kind == "fp8-e4m3":
             raise NotImplementedError(
-                f"view {v.name!r} under FSDP2: fp8 scales of a rank's rows are not supported yet; "
-                "use 'bf16' or 'fp16' (or the single-process Publisher)"
+                f"view {v.name!r} for {type(self).__name__}: fp8 scales of a rank's shard are not "
+                "supported yet; use 'bf16' or 'fp16' (or the single-process Publisher)"
             )
         if not dist.is_initialized():
-            raise RuntimeError("FSDPPublisher needs an initialised torch.distributed process group")
+            raise RuntimeError(
+                f"{type(self).__name__} needs an initialised torch.distributed process group"
+            )
         self.view = v.name
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -264,27 +271,19 @@ class FSDPPublisher:
         t0 = time.perf_counter()
         version, parent = self._next_version, self._published
         self._next_version += 1
-        slices = local_slices(module, self.rank)
-        names = sorted(slices)
+        shapes, plan = self._local_plan(module)
+        names = sorted(shapes)
         path = self._spool / f"part-{self.rank:05d}.stp"
-        f, builder, partial, new, err = None, None, {}, {}, None
-        try:  # phase 1, local: project this rank's rows, diff them, write the chunks
+        f, builder, partial, new, kinds, err = None, None, {}, {}, {}, None
+        try:  # phase 1, local: project this rank's share, diff it, write the chunks
             f = open(path, "wb")  # noqa: SIM115 - closed in phase 2
-            with torch.no_grad():
-                new = project({n: s.tensor for n, s in slices.items()}, self.view)
-            new = {n: t.to("cpu") for n, t in new.items()}  # host copy of this rank's rows only
-            if self._prev is None:
-                assert self._base_ck is not None
-                self._prev = project(read_rows(self._base_ck, slices), self.view)
             builder = PatchBuilder(
                 f, run=self.run, base_version=parent, target_version=version, view=self.view
             )
-            for n in names:
-                s, base = slices[n], self._prev.get(n)
-                if base is None or base.shape != new[n].shape:
-                    raise RuntimeError(f"{n}: this rank's rows changed since the last version")
-                builder.add(n, base, new[n], self._prev_fps.get(n), shape=s.shape, offset=s.offset)
+            new, kinds = self._diff_local(builder, plan)
             partial = builder.partial_fingerprints()
+            if sorted(partial) != names:
+                raise RuntimeError("this rank's part does not list every tensor of the model")
         except Exception as e:
             err = e
         totals, failed = self._reduce_fingerprints(names, partial, err is not None)
@@ -300,7 +299,7 @@ class FSDPPublisher:
                 f"v{version}: the ranks' base rows do not add up to v{parent} "
                 f"({wrong[0]!r} and {len(wrong) - 1} more): another model or layout?"
             )
-        rows = [(n, dtypes.info(new[n].dtype).name, slices[n].shape, totals[n][1]) for n in names]
+        rows = [(n, kinds[n], shapes[n], totals[n][1]) for n in names]
         meta: dict = {"error": None, "created": now(), "layout": fpr.digest(rows)}
         assert f is not None and builder is not None
         try:  # phase 2, local: header with the totals, upload this rank's part
@@ -368,6 +367,35 @@ class FSDPPublisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -------------------------------------------------------------- what this rank publishes
+
+    def _local_plan(self, module) -> tuple[dict[str, tuple[int, ...]], object]:
+        """Hook (no I/O, no collectives): every published tensor's name and *global* shape (the
+        same on every rank), and what `_diff_local` needs. FSDP2: the rank's DTensor rows."""
+        slices = local_slices(module, self.rank)
+        return {n: s.shape for n, s in slices.items()}, slices
+
+    def _diff_local(
+        self, builder: PatchBuilder, plan
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Hook: project this rank's share of the weights to the view, add its part of every
+        tensor to `builder` (diffed against `self._prev`, read from `self._base_ck` at the first
+        publish), and return (the new host state, kept as `self._prev` if the version succeeds;
+        dtype name of every published tensor)."""
+        slices: dict[str, LocalSlice] = plan
+        with torch.no_grad():
+            new = project({n: s.tensor for n, s in slices.items()}, self.view)
+        new = {n: t.to("cpu") for n, t in new.items()}  # host copy of this rank's rows only
+        if self._prev is None:
+            assert self._base_ck is not None
+            self._prev = project(read_rows(self._base_ck, slices), self.view)
+        for n in sorted(slices):
+            s, base = slices[n], self._prev.get(n)
+            if base is None or base.shape != new[n].shape:
+                raise RuntimeError(f"{n}: this rank's rows changed since the last version")
+            builder.add(n, base, new[n], self._prev_fps.get(n), shape=s.shape, offset=s.offset)
+        return new, {n: dtypes.info(t.dtype).name for n, t in new.items()}
 
     # -------------------------------------------------------------- collectives (metadata only)
 
@@ -460,7 +488,7 @@ class FSDPPublisher:
             view=self.view,
             step=step,
             created=created,
-            producer=f"stitch-rl fsdp publisher ({self.world} parts)",
+            producer=f"stitch-rl {self._producer} publisher ({self.world} parts)",
             digest=fpr.digest(rows),
             tensors=[
                 TensorInfo(name=n, dtype=d, shape=list(s), fingerprint=fpr.fmt(fp))

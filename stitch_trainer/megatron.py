@@ -747,17 +747,46 @@ def split_hf(
     out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for pp in range(layout.pp):
         for t in range(layout.tp):
-            sd: dict[str, torch.Tensor] = {}
-            for name, shape in layout.megatron_shapes(t, pp).items():
-                placements = layout.to_hf(name, t, pp)
-                ref = hf_state_dict[placements[0].hf_name] if placements else next(
-                    iter(hf_state_dict.values()))
-                local = torch.full(shape, pad_value, dtype=ref.dtype, device=ref.device)
-                v = local.view(-1, placements[0].cols if placements else 1)
-                for p in placements:
-                    src = hf_state_dict[p.hf_name].reshape(-1, p.hf_cols)
-                    v[p.local_rows(local.device)] = src[p.hf_rows(local.device),
-                                                        p.col : p.col + p.cols]
-                sd[name] = local
-            out[(t, pp)] = sd
+            out[(t, pp)] = {
+                name: local_from_hf(hf_state_dict, layout, name, t, pp, shape,
+                                    pad_value=pad_value)
+                for name, shape in layout.megatron_shapes(t, pp).items()
+            }
     return out
+
+
+def hf_names_of(layout: MegatronLayout, names: Iterable[str], tp_rank: int, pp_rank: int,
+                *, replicas: bool = True) -> set[str]:
+    """The HF tensors the local parameters ``names`` of rank (tp_rank, pp_rank) hold elements of
+    (what a rank must read to rebuild its shard from an HF checkpoint)."""
+    return {p.hf_name for n in names for p in layout.to_hf(n, tp_rank, pp_rank)
+            if p.owned or replicas}
+
+
+def local_from_hf(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    layout: MegatronLayout,
+    name: str,
+    tp_rank: int,
+    pp_rank: int,
+    shape: Sequence[int] | None = None,
+    *,
+    pad_value: float = 0.0,
+) -> torch.Tensor:
+    """One local parameter of rank (tp_rank, pp_rank) cut out of HF tensors (only those
+    `hf_names_of` names are needed); vocabulary padding is ``pad_value``. ``shape`` defaults to
+    the layout's local shape of ``name``."""
+    placements = layout.to_hf(name, tp_rank, pp_rank)
+    if shape is None:
+        found = layout.rule_of(name, pp_rank)
+        if found is None:
+            raise KeyError(f"{name}: not a weight")
+        shape = layout._local_shape(found[0])
+    ref = hf_state_dict[placements[0].hf_name] if placements else next(
+        iter(hf_state_dict.values()))
+    local = torch.full(tuple(shape), pad_value, dtype=ref.dtype, device=ref.device)
+    v = local.view(-1, placements[0].cols if placements else 1)
+    for p in placements:
+        src = hf_state_dict[p.hf_name].reshape(-1, p.hf_cols)
+        v[p.local_rows(local.device)] = src[p.hf_rows(local.device), p.col : p.col + p.cols]
+    return local

@@ -229,17 +229,18 @@ def worker(work: Path, rank: int) -> None:
 # ---------------------------------------------------------------- parent
 
 
-def _launch(work: Path) -> None:
+def _launch(work: Path, script: str = __file__, world: int = WORLD) -> None:
+    """Run `script WORK RANK` as `world` processes; fail with their logs if any fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     if sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs, logs = [], []
-    for r in range(WORLD):
+    for r in range(world):
         log = open(work / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, str(work), str(r)], stdout=log, stderr=log, env=env
+                [sys.executable, script, str(work), str(r)], stdout=log, stderr=log, env=env
             )
         )
     deadline = time.monotonic() + TIMEOUT
@@ -256,7 +257,7 @@ def _launch(work: Path) -> None:
         for log in logs:
             log.close()
     codes = [p.returncode for p in procs]
-    if codes != [0] * WORLD:
+    if codes != [0] * world:
         tails = "\n".join(
             f"--- rank {r} (exit {c}):\n" + (work / f"rank{r}.log").read_text()[-4000:]
             for r, c in enumerate(codes)

@@ -158,6 +158,8 @@ class FSDPPublisher:
     `stitch_trainer.megatron_publisher.MegatronPublisher`).
     """
 
+    collective = True  # publish() is called on every rank (StitchCallback honours this)
+
     _producer = "fsdp"
 
     def __init__(

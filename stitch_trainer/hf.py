@@ -26,12 +26,29 @@ class StitchCallback(TrainerCallback):
         self.published: list[VersionInfo] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if model is None or not state.is_world_process_zero or state.global_step % self.every:
+        if model is None or state.global_step % self.every:
             return control
-        self.published.append(self.publisher.publish(state.global_step, model))
+        if getattr(self.publisher, "collective", False):  # e.g. FSDPPublisher: every rank
+            self.published.append(self.publisher.publish(state.global_step, model))
+        elif state.is_world_process_zero:
+            if _sharded(model):
+                raise RuntimeError(
+                    "the model's parameters are DTensors (FSDP2): a Publisher on the main process "
+                    "alone would gather them with collectives the other ranks never join; use "
+                    "stitch_trainer.fsdp.FSDPPublisher, which publishes from every rank")
+            self.published.append(self.publisher.publish(state.global_step, model))
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.publisher.close() if self.close_on_end else self.publisher.flush()
+        if getattr(self.publisher, "collective", False) or state.is_world_process_zero:
+            if self.close_on_end:
+                self.publisher.close()
+            elif hasattr(self.publisher, "flush"):
+                self.publisher.flush()
         return control
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -58,3 +58,42 @@ def test_trainer_callback_publishes_every_step_and_snapshot_loads(tmp_path):
     got = {k: v for k, v in loaded.state_dict().items() if k in final}
     assert got.keys() == final.keys()
     assert all(torch.equal(got[k].view(torch.int16), final[k].view(torch.int16)) for k in final)
+
+
+SHARDED_CALLBACK = r"""
+import os, sys, torch, torch.distributed as dist
+from types import SimpleNamespace
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from stitch_trainer import Publisher
+from stitch_trainer.hf import StitchCallback
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+pub = Publisher(sys.argv[1], "sharded", "bf16")
+state = SimpleNamespace(global_step=1, is_world_process_zero=True)
+try:
+    StitchCallback(pub).on_step_end(None, state, None, model=model)
+except RuntimeError as e:
+    print("REFUSED:", e)
+pub.close()
+dist.destroy_process_group()
+"""
+
+
+def test_callback_refuses_a_gathering_publish_of_an_fsdp2_model(tmp_path):
+    """On the main process alone, a plain Publisher would gather DTensors with collectives the
+    other ranks never join (a hang on a real cluster): the callback refuses, naming the fix."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", SHARDED_CALLBACK, str(tmp_path / "b"), str(port)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED:" in r.stdout and "FSDPPublisher" in r.stdout
+    assert not (tmp_path / "b" / "sharded" / "latest").exists()

@@ -26,7 +26,6 @@ import logging
 import math
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from stitch_core.patch import PatchBuilder
 from stitch_core.versions import now, object_ref, read_manifest, write_version
 from stitch_core.views import parse_view, project
 
+from ._io import IOLoop
 from .publisher import SIDE_FILES, VersionInfo
 
 log = logging.getLogger("stitch.fsdp")
@@ -197,11 +197,8 @@ class FSDPPublisher:
         self._spool = Path(tempfile.mkdtemp(prefix=f"stitch-fsdp-{self.rank}-", dir=spool_dir))
         self._own_board = isinstance(board, str)
         self.board = open_board(board) if isinstance(board, str) else board
-        self._loop = asyncio.new_event_loop()  # board and NATS I/O (kept alive between calls)
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="stitch-fsdp-io"
-        )
-        self._thread.start()
+        self._io = IOLoop("stitch-fsdp-io")  # board and NATS I/O (kept alive between calls)
+        self._call = self._io.call
         self._nc = self._js = None
         if nats and self.rank == 0:
             self._call(self._connect(nats))
@@ -359,9 +356,7 @@ class FSDPPublisher:
             return
         self._closed = True
         self._call(self._shutdown())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._io.stop()
         shutil.rmtree(self._spool, ignore_errors=True)
 
     def __enter__(self) -> FSDPPublisher:
@@ -444,9 +439,6 @@ class FSDPPublisher:
         return totals, out[0]
 
     # -------------------------------------------------------------- board side
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _connect(self, url: str) -> None:
         from stitch_core.announce import connect, ensure_streams

@@ -38,6 +38,8 @@ from stitch_core.patch import PatchBuilder
 from stitch_core.versions import now, object_ref, write_version
 from stitch_core.views import project
 
+from ._io import IOLoop
+
 log = logging.getLogger("stitch.publisher")
 SIDE_FILES = (
     "config.json",
@@ -112,11 +114,8 @@ class Publisher:
         self._spool.mkdir(parents=True, exist_ok=True)
         self._board_arg = board
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="stitch-publisher-io"
-        )
-        self._loop_thread.start()
+        self._io = IOLoop("stitch-publisher-io")
+        self._call = self._io.call
         self._prev_view: dict[str, torch.Tensor] | None = None  # projection's pinning source
         self._error: BaseException | None = None
         latest = self._call(self._init())
@@ -181,8 +180,7 @@ class Publisher:
         self._closed = True
         self._queue.put(None)
         self._worker.join()
-        self._loop_thread.join()
-        self._loop.close()
+        self._io.stop()
         shutil.rmtree(self._spool, ignore_errors=True)
 
     def __enter__(self) -> Publisher:
@@ -193,15 +191,11 @@ class Publisher:
 
     # -------------------------------------------------------------- worker side
 
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
     def _drain(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 self._call(self._shutdown())
-                self._loop.call_soon_threadsafe(self._loop.stop)
                 return
             info, payload = job
             if info is None:

@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from stitch_core import dtypes
 from stitch_core import fingerprint as fpr
@@ -23,8 +24,6 @@ from stitch_trainer.megatron import (
     shard_parts,
     split_hf,
 )
-
-transformers = pytest.importorskip("transformers")
 
 # tiny GQA models: 8 query heads over 4 KV groups (2 per TP rank), vocab 203 (padded to 256)
 SMALL = dict(vocab_size=203, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

@@ -1,8 +1,24 @@
-"""Stitch core: served views, lossless patches, fingerprints. No engine, no trainer."""
+"""Stitch core: served views, lossless patches, fingerprints. No engine, no trainer.
+
+Submodules import lazily: engine processes import `stitch_core.layout` (torch and numpy only)
+before their engine starts, and must not pull in numba then (see stitch_vllm/worker.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
-
-from .patch import Patch, apply, diff  # noqa: E402
-from .stp import PatchError  # noqa: E402
-
 __all__ = ["Patch", "PatchError", "apply", "diff", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Patch", "apply", "diff"):
+        from . import patch
+
+        return getattr(patch, name)
+    if name == "PatchError":
+        from .stp import PatchError
+
+        return PatchError
+    raise AttributeError(f"module 'stitch_core' has no attribute {name!r}")

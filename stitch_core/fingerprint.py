@@ -119,6 +119,23 @@ def _delta_cpu(pos, old, new, seed, itemsize):  # pragma: no cover - compiled
     return acc
 
 
+@numba.njit(cache=True, nogil=True)
+def _psum_cpu(pos, bits, seed, itemsize):  # pragma: no cover - compiled
+    """sum h(pos[j], bits[j]) over scattered positions, mod 2^64."""
+    acc = np.uint64(0)
+    for j in range(pos.shape[0]):
+        acc += _h(np.int64(pos[j]), np.int64(bits[j]), seed, itemsize)
+    return acc
+
+
+def sum_at(name: str, positions: torch.Tensor, sbits: torch.Tensor, itemsize: int) -> int:
+    """Partial fingerprint of `name` over scattered flat positions holding integer bits `sbits`."""
+    seed = seed_of(name)
+    if positions.device.type == "cpu" and sbits.device.type == "cpu":
+        return int(_psum_cpu(positions.numpy(), sbits.numpy(), seed, itemsize)) & MASK64
+    return partial_sum(positions, sbits, itemsize, seed)
+
+
 def fingerprint(name: str, t: torch.Tensor, offset: int = 0) -> int:
     """Fingerprint of a whole tensor, or of a contiguous flat slice starting at `offset`."""
     dt = dtypes.info(t.dtype)

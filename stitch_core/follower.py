@@ -40,7 +40,8 @@ class Follower:
                  version: int | None = None, nats: str | None = None,
                  cache_dir: str | os.PathLike | None = None, reconcile_interval: float = 5.0,
                  heartbeat_interval: float = 2.0, engine_id: str | None = None,
-                 url: str | None = None, region: str | None = None, max_chain: int = 64):
+                 url: str | None = None, region: str | None = None, max_chain: int = 64,
+                 on_latest: Callable[[int], None] | None = None):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
@@ -52,6 +53,7 @@ class Follower:
         self.heartbeat_interval = heartbeat_interval
         self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"
         self.url, self.region, self.max_chain = url, region, max_chain
+        self.on_latest = on_latest  # told every time a newer published version is seen
         self.applying = False
         self.last_error: str | None = None
         self.last_apply_seconds: float | None = None
@@ -129,9 +131,14 @@ class Follower:
         if ann.run != self.run:
             return
         self._announced_at.setdefault(ann.version, time.perf_counter())
-        if self.latest is None or ann.version > self.latest:
-            self.latest = ann.version
+        self._saw(ann.version)
         self._wake.set()
+
+    def _saw(self, version: int) -> None:
+        if self.latest is None or version > self.latest:
+            self.latest = version
+            if self.on_latest is not None:
+                self.on_latest(version)
 
     async def _loop(self) -> None:
         woken = False
@@ -170,15 +177,14 @@ class Follower:
     async def sync(self) -> int | None:
         """Reconcile once: read `latest`, catch up to it. Returns the version now held."""
         latest = await self.board.read_latest(self.run)
-        if latest is not None and (self.latest is None or latest.version > self.latest):
-            self.latest = latest.version
+        if latest is not None:
+            self._saw(latest.version)
         if self.latest is not None and (self.version is None or self.latest > self.version):
             await self.catch_up(self.latest)
         return self.version
 
     async def catch_up(self, target: int) -> None:
-        if self.latest is None or target > self.latest:
-            self.latest = target
+        self._saw(target)
         async with self._lock:
             if self.version is not None and self.version >= target:
                 return

@@ -1,4 +1,4 @@
-"""stitch_vllm.layout against a real vLLM engine on the CPU (TP=1, in-process).
+"""stitch_core.layout (through stitch_vllm.worker) against a real vLLM engine on the CPU (TP=1, in-process).
 
 Learns the HF -> engine layout from the model's own loaders, applies a random
 sparse bf16 change through it, and checks the patched engine is bit-identical
@@ -34,10 +34,11 @@ except Exception as e:  # ImportError, or a broken install (e.g. torchvision mis
 import torch
 from safetensors.torch import load_file, save_file
 
-from stitch_vllm import layout as L
+from stitch_core import layout as L
+from stitch_vllm.cpu import install_cpu_weight_keeper
 from stitch_vllm.testmodel import build_tiny_model
 
-EXT = "stitch_vllm.layout.StitchWorkerExtension"
+EXT = "stitch_vllm.worker.StitchWorkerExtension"
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 SP = dict(temperature=0.0, max_tokens=12, logprobs=3, seed=0)
 
@@ -192,7 +193,7 @@ def test_cpu_packed_linear_keeper(ckpts):
     layers are re-packed; the result equals a fresh engine on the new checkpoint.
     """
     a, b, change = ckpts["qwen2"]
-    assert L.install_cpu_weight_keeper()
+    assert install_cpu_weight_keeper()
     llm = _engine(a, dtype="float32")
     try:
         shapes = llm.collective_rpc("stitch_param_shapes")[0]

@@ -2,7 +2,7 @@
 
 Publishing and pulling run in a subprocess: vLLM 0.32's CPU worker scans every loaded module at
 start-up and trips over llvmlite objects, so numba (used by stitch_core) must not be imported
-in a process before its engine starts (see the note in stitch_vllm/layout.py).
+in a process before its engine starts (see the note in stitch_vllm/worker.py).
 """
 
 from __future__ import annotations

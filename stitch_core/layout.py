@@ -1,41 +1,24 @@
-"""Learn where each HF weight element lives in a vLLM engine, and patch it there.
+"""Layout maps: where each element of a served-view (HF) tensor lives in an engine's parameters.
 
-Prototype (groundwork for making a stock vLLM engine a Stitch follower).
+A Stitch patch addresses the *served view*: HF tensor names, flat positions in HF shape, new bits.
+Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into
+``gate_up_proj``, vocab rows padded, every linear sharded over tensor-parallel ranks. Rather than
+re-deriving those rules per architecture and engine, we let the model's *own* ``load_weights``
+tell us: each engine parameter's ``.data`` is temporarily swapped for an int64 shadow filled with
+-1, and the model loads ``arange`` index tensors in HF shape (offset by a per-tensor base, so one
+load can carry several tensors). Whatever the loaders narrow / concatenate / pad, each shadow
+element ends up holding ``base[t] + hf_flat_pos`` of the HF element it came from (0 where a loader
+wrote a constant, e.g. zeroed vocab padding; -1 where nothing was written). That gives, per rank,
+an exact map HF position -> (engine param, flat position), stored compactly as runs.
 
-A Stitch patch addresses the *served view*: HF tensor names, flat positions in
-HF shape, new bits.  vLLM stores weights differently: q/k/v fused into
-``qkv_proj``, gate/up into ``gate_up_proj``, vocab rows padded to a multiple of
-64, every linear sharded over tensor-parallel ranks.  Rather than re-deriving
-those rules per architecture, we let the model's *own* ``load_weights`` tell
-us: each engine parameter's ``.data`` is temporarily swapped for an int64
-shadow filled with -1, and the model loads ``arange`` index tensors in HF
-shape (offset by a per-tensor base, so one load can carry several tensors).
-Whatever the loaders narrow / concatenate / pad, each shadow element ends up
-holding ``base[t] + hf_flat_pos`` of the HF element it came from (0 where a
-loader wrote a constant, e.g. zeroed vocab padding; -1 where nothing was
-written).  That gives, per rank, an exact map HF position -> (engine param,
-flat position), stored compactly as runs.
+Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.
+An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend)
+keeps the canonical weight on the module as ``_stitch_master_weight``; ``engine_params`` and
+``MastersInstalled`` use it instead of the emptied ``weight``.
 
-Applying a decoded patch chunk is then an index_put on an integer view of the
-engine parameter (bit-exact; a widening conversion when the engine keeps the
-parameter in another dtype).
-
-CPU caveat: on CPUs where vLLM's CPU backend can pack linear weights (oneDNN
-``create_onednn_mm`` or the AMX ``convert_weight_packed`` path;
-``vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm``) the
-kernel reads a private packed copy and ``layer.weight`` of linear layers is
-replaced by an empty tensor.  ``install_cpu_weight_keeper()`` (call it in every
-worker process before the model loads, e.g. from a ``vllm.general_plugins``
-entry point) keeps the unpacked master weight on the layer so it can be
-patched and re-packed (``repack_dirty``).  On GPUs there is no such packing:
-the kernels read ``param.data`` directly.
-
-Works in any process that holds the model; ``StitchWorkerExtension`` exposes
-it through ``worker_extension_cls`` / ``collective_rpc`` on every TP rank.
-
-Pitfall (vLLM 0.32, CPU): at worker start-up vLLM scans every loaded module and fails on
-llvmlite objects (`'_lib_fn_wrapper' object has no attribute 'get'`). stitch_core's codec uses
-numba (llvmlite), so inside an engine process it must be imported only after the engine is up.
+A loader that transforms values instead of placing them yields a map that does not reproduce the
+engine's weights; the coordinator detects that at start-up with fingerprints
+(``stitch_core.coordinator``) and falls back to the engine's own loader for that tensor.
 """
 
 from __future__ import annotations
@@ -60,9 +43,7 @@ __all__ = [
     "learn_layout",
     "apply_chunk",
     "apply_chunks",
-    "install_cpu_weight_keeper",
-    "repack_dirty",
-    "StitchWorkerExtension",
+    "MastersInstalled",
 ]
 
 _ST_DTYPES = {
@@ -195,7 +176,7 @@ def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return canon
 
 
-class _MastersInstalled:
+class MastersInstalled:
     """Temporarily put kept CPU master weights back on their layers."""
 
     def __init__(self, model: torch.nn.Module):
@@ -247,7 +228,7 @@ def learn_layout(
         else:
             shapes[n] = (tuple(v), torch.bfloat16)
 
-    with _MastersInstalled(model):
+    with MastersInstalled(model):
         params = engine_params(model)
         key = _group_key if group_by_layer else (lambda n: "all")
         groups = sorted({key(n) for n in shapes})
@@ -406,122 +387,13 @@ def apply_chunk(
     return written
 
 
-def apply_chunks(model, layout: Layout, chunks: Iterable[tuple[str, Any, Any]],
-                 repack: bool = True) -> dict[str, Any]:
-    """Apply several (hf_name, positions, values) chunks, then re-pack touched CPU layers."""
+def apply_chunks(model, layout: Layout, chunks: Iterable[tuple[str, Any, Any]]) -> dict[str, Any]:
+    """Apply several (hf_name, positions, values) chunks; returns what was written where."""
     params = engine_params(model)
     dirty: set[str] = set()
     n = 0
     for name, pos, vals in chunks:
         n += apply_chunk(params, layout, name, pos, vals, dirty)
-    repacked = repack_dirty(model, dirty) if repack else []
-    return {"written": n, "params": sorted(dirty), "repacked": repacked}
+    return {"written": n, "params": sorted(dirty)}
 
 
-# --------------------------------------------------------------------------- #
-# CPU backend: keep master weights of packed linear layers, re-pack on change
-# --------------------------------------------------------------------------- #
-_ORIG_DISPATCH = None
-
-
-def install_cpu_weight_keeper() -> bool:
-    """Wrap vLLM's CPU gemm dispatch so packed layers keep their unpacked weight.
-
-    Must run in each worker process before the model is loaded (a
-    ``vllm.general_plugins`` entry point runs there; with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 and TP=1 calling it in-process suffices).
-    Costs one extra copy of every packed linear weight.  Idempotent.
-    """
-    global _ORIG_DISPATCH
-    try:
-        import vllm.model_executor.layers.utils as lu
-    except ImportError:
-        return False
-    if _ORIG_DISPATCH is not None:
-        return True
-    orig = lu.dispatch_cpu_unquantized_gemm
-    _ORIG_DISPATCH = orig
-
-    def dispatch(layer, remove_weight):
-        master = layer.weight
-        orig(layer, remove_weight)
-        layer._stitch_remove_weight = remove_weight
-        packed = getattr(getattr(layer, "cpu_linear", None), "__closure__", None) is not None
-        layer._stitch_cpu_packed = packed
-        if layer.weight is not master:  # weight emptied: keep the master for patching
-            layer._stitch_master_weight = master
-
-    dispatch.__wrapped__ = orig  # type: ignore[attr-defined]
-    lu.dispatch_cpu_unquantized_gemm = dispatch
-    return True
-
-
-def repack_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:
-    """Re-run the CPU gemm dispatch for layers whose weight changed and is packed."""
-    if _ORIG_DISPATCH is None:
-        return []
-    mods = dict(model.named_modules())
-    done = []
-    for pname in sorted(set(dirty_params)):
-        mod_name, _, attr = pname.rpartition(".")
-        mod = mods.get(mod_name)
-        if mod is None or not getattr(mod, "_stitch_cpu_packed", False):
-            continue
-        if attr != "weight":  # biases are read at call time (fp32 on the AMX path)
-            continue
-        master = getattr(mod, "_stitch_master_weight", None)
-        if master is not None:
-            # put the (patched) master back, re-pack from it; dispatch empties it again
-            mod._parameters["weight"] = master
-        _ORIG_DISPATCH(mod, mod._stitch_remove_weight)
-        done.append(mod_name)
-    return sorted(set(done))
-
-
-# --------------------------------------------------------------------------- #
-# Worker extension (worker_extension_cls="stitch_vllm.layout.StitchWorkerExtension")
-# --------------------------------------------------------------------------- #
-class StitchWorkerExtension:
-    """Mixed into vLLM's worker class; methods are reachable by ``collective_rpc``.
-
-    Every name starts with ``stitch_`` (vLLM asserts no clash with the worker).
-    """
-
-    def _stitch_model(self):
-        return self.model_runner.get_model()  # type: ignore[attr-defined]
-
-    def stitch_rank_info(self) -> dict[str, Any]:
-        from vllm.distributed import parallel_state as ps
-
-        info = {"rank": getattr(self, "rank", None)}
-        try:
-            info["tp_rank"] = ps.get_tensor_model_parallel_rank()
-            info["tp_size"] = ps.get_tensor_model_parallel_world_size()
-        except Exception:  # pragma: no cover
-            pass
-        return info
-
-    def stitch_learn_layout(self, hf_shapes=None) -> dict[str, Any]:
-        model = self._stitch_model()
-        if hf_shapes is None:
-            hf_shapes = read_safetensors_shapes(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-        self._stitch_layout = learn_layout(model, hf_shapes, rank_info=self.stitch_rank_info())
-        return self._stitch_layout.summary()
-
-    def stitch_apply(self, chunks, repack: bool = True) -> dict[str, Any]:
-        """chunks: list of (hf_name, positions, values) as accepted by ``apply_chunk``.
-
-        Through collective_rpc with worker processes pass bytes, not arrays.
-        """
-        return apply_chunks(self._stitch_model(), self._stitch_layout, chunks, repack=repack)
-
-    def stitch_param_bytes(self, names=None) -> dict[str, bytes]:
-        """Raw bytes of engine params (kept masters for packed CPU layers); for tests."""
-        params = engine_params(self._stitch_model())
-        return {n: p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                for n, p in params.items() if names is None or n in names}
-
-    def stitch_param_shapes(self) -> dict[str, Any]:
-        """Shapes of ``named_parameters`` as vLLM exposes them (packed layers may be empty)."""
-        return {n: (tuple(p.shape), str(p.dtype))
-                for n, p in self._stitch_model().named_parameters()}

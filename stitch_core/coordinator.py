@@ -1,0 +1,405 @@
+"""The node side of an engine follower: decode each patch once, drive every rank, prove the result.
+
+Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` reaching a
+`stitch_core.replica.RankReplica` in every tensor-parallel rank, plus optional `pause`/`resume`
+(hold engine steps) and `after_apply` (e.g. reset the prefix cache) hooks. It is the `apply`
+callback of a `stitch_core.follower.Follower`.
+
+Why the coordinator, not every rank, decodes: ULP values are entropy-coded under contexts taken
+from the *old* value of each element, so a rank holding a slice of a tensor cannot decode a chunk
+alone. The coordinator decodes positions, gathers the old bits from the ranks that hold them,
+decodes the values once (while the engine keeps serving), and checks the result against the
+manifest *before* anything is written: base fingerprint + sum of h(new) - h(old) must equal the
+target fingerprint of every tensor, and both version digests must match. A corrupt, truncated,
+foreign or out-of-order patch is refused there, with the engine untouched. Only then are the
+ranks asked to write (engine steps held); each rank reads back what it wrote and reports its
+fingerprint delta over every copy it holds, and the sum over ranks must equal multiplicity x the
+change in the manifest fingerprint, or every rank undoes.
+
+Start-up: the ranks learn their layout from the model's own loaders and report full sums; a
+tensor whose sums do not add up to multiplicity x its manifest fingerprint is not placed exactly
+by the layout (a loader that transforms values) and falls back to the engine's own loader with
+the reconstructed tensor (kept on the host here, logged by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import codec, dtypes
+from . import fingerprint as fpr
+from .layout import read_safetensors_shapes
+from .manifest import Manifest
+from .patch import PatchSet, _chunk_list, _decode, apply_entry, check_compatible, check_digests
+from .stp import PatchError, PatchReader
+from .versions import Step
+
+log = logging.getLogger("stitch.engine")
+PULLED_MANIFEST = "stitch-manifest.json"  # written by `stitch pull` next to the weights
+Rpc = Callable[[str, dict[str, Any]], Awaitable[list[dict[str, Any]]]]
+Hook = Callable[[], Awaitable[Any]]
+
+
+class EngineStateError(RuntimeError):
+    """The engine's weights could not be proven; it must not serve until recovered."""
+
+
+def read_pulled_manifest(model_dir: str | Path) -> Manifest | None:
+    p = Path(model_dir) / PULLED_MANIFEST
+    if not p.exists():
+        return None
+    return Manifest.model_validate_json(p.read_text())
+
+
+def _files_fingerprints(model_dir: Path, names: list[str]) -> dict[str, int]:
+    from safetensors import safe_open
+
+    out: dict[str, int] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if k in names:
+                    out[k] = fpr.fingerprint(k, sf.get_tensor(k))
+    return out
+
+
+def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if k in names:
+                    out[k] = sf.get_tensor(k)
+    return out
+
+
+class Coordinator:
+    def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
+                 metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
+                 after_apply: Hook | None = None):
+        self.rpc = rpc
+        self.run = run
+        self.gate = gate
+        self.metrics = metrics
+        self.pause, self.resume, self.after_apply = pause, resume, after_apply
+        self.version: int | None = None
+        self.fps: dict[str, int] = {}  # verified fingerprints of the version the engine holds
+        self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.mult: dict[str, int] = {}  # copies of each element across all ranks
+        self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
+        self.ranks = 0
+        self.check: dict[str, Any] = {"ok": None}
+        self.last_apply: dict[str, Any] | None = None
+        self.patch_bytes_total = 0
+        self.history: list[dict[str, Any]] = []
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        return {"fingerprint_check": self.check, "last_apply": self.last_apply,
+                "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
+                "fallback_tensors": sorted(self.fallback)}
+
+    # ------------------------------------------------------------ start-up
+
+    async def start(self, model_dir: str | Path) -> int | None:
+        """Learn layouts on every rank and prove the loaded weights; returns the held version."""
+        model_dir = Path(model_dir)
+        m = read_pulled_manifest(model_dir)
+        if m is not None:
+            if self.run is not None and m.run != self.run:
+                raise EngineStateError(f"{model_dir} holds run {m.run!r}, not {self.run!r}")
+            self.run = m.run
+            self.shapes = {t.name: (tuple(t.shape), t.dtype) for t in m.tensors}
+            want = m.fingerprints
+        else:
+            hf = read_safetensors_shapes(model_dir)
+            self.shapes = {n: (s, dtypes.info(d).name) for n, (s, d) in hf.items()}
+            want = await asyncio.to_thread(_files_fingerprints, model_dir, list(self.shapes))
+        t0 = time.perf_counter()
+        replies = await self.rpc("setup", {"shapes": self.shapes})
+        self.ranks = len(replies)
+        placed, fallback = self._classify(replies, want)
+        if fallback:
+            host = await asyncio.to_thread(_load_host, model_dir, set(fallback))
+            bad = [n for n in fallback if n not in host or fpr.fingerprint(n, host[n]) != want[n]]
+            if bad:
+                raise EngineStateError(f"snapshot files do not match their fingerprints: {bad[:5]}")
+            self.fallback = host
+            log.warning("stitch: %d tensors are not placed exactly by the layout map and will be "
+                        "updated through the engine's own loader: %s", len(fallback),
+                        ", ".join(sorted(fallback)))
+        self.fps = dict(want)
+        self.check = {"ok": True, "at": time.time(), "kind": "full", "tensors": len(placed),
+                      "fallback": len(fallback), "seconds": time.perf_counter() - t0}
+        if m is not None:
+            self._set_version(m.version)
+        log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader",
+                 f"{m.run} v{m.version}" if m else str(model_dir), self.ranks, len(placed),
+                 len(fallback))
+        return self.version
+
+    def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str]]:
+        placed, fallback = [], []
+        for name, (shape, _) in self.shapes.items():
+            numel = int(np.prod(shape, dtype=np.int64))
+            mapped = sum(r["mapped"].get(name, 0) for r in replies)
+            total = sum(r["sums"].get(name, 0) for r in replies) & fpr.MASK64
+            k = mapped // numel if numel else 0
+            if numel and mapped == k * numel and k >= 1 and total == (k * want[name]) & fpr.MASK64:
+                self.mult[name] = k
+                placed.append(name)
+            else:
+                fallback.append(name)
+        return placed, fallback
+
+    def _set_version(self, v: int | None) -> None:
+        self.version = v
+        if self.gate is not None:
+            if v is None:
+                self.gate.version = None
+            else:
+                self.gate.set_version(v)
+        if self.metrics is not None and v is not None:
+            self.metrics.set_version(v, getattr(self.gate, "latest", None))
+
+    # ------------------------------------------------------------ following
+
+    async def __call__(self, step: Step, path: Path) -> None:
+        """The Follower's apply callback."""
+        if step.kind == "snapshot":
+            await self.load_snapshot(step.manifest, path)
+        else:
+            await self.apply_patch(step.manifest, list(step.paths or [path]))
+
+    async def apply_patch(self, m: Manifest, paths: list[Path]) -> dict[str, Any]:
+        async with self._lock:
+            t_all = time.perf_counter()
+            readers = [PatchReader(p) for p in paths]
+            try:
+                patch = (readers[0] if len(readers) == 1 and readers[0].header.part is None
+                         else PatchSet(readers))
+                plan = await asyncio.to_thread(self._positions, patch, m)
+                aid = uuid.uuid4().hex
+                t_g = time.perf_counter()
+                gathered = await self.rpc("gather", {"id": aid, "positions": {
+                    n: p.numpy().tobytes() for n, (p, _) in plan["placed"].items()}})
+                gather_s = time.perf_counter() - t_g
+                new, fb_new = await asyncio.to_thread(self._decode_all, patch, plan, gathered)
+            finally:
+                for r in readers:
+                    r.close()
+            stats = await self._write(m, aid, new, fb_new)
+            stats.update(version=m.version, changed=plan["changed"], gather_s=gather_s,
+                         gather_rank_s=max(g["seconds"] for g in gathered),
+                         total_s=time.perf_counter() - t_all, patch_bytes=m.patch_bytes)
+            self.patch_bytes_total += m.patch_bytes
+            self.last_apply = stats
+            self.history.append(stats)
+            if self.metrics is not None:
+                self.metrics.applied(m.version, stats["total_s"], m.patch_bytes)
+            return stats
+
+    def _positions(self, patch, m: Manifest) -> dict[str, Any]:
+        h = patch.header
+        if self.version is None:
+            raise EngineStateError("the engine holds no verified version")
+        check_compatible(h, self.shapes.keys(), run=self.run, base_version=self.version)
+        if h.base_version is None or h.target_version != m.version or h.run != m.run:
+            raise PatchError(f"patch file is not {m.run} v{h.base_version}->v{m.version}")
+        target = {t.name: fpr.parse(t.target_fp) for t in h.tensors if t.target_fp}
+        if target != m.fingerprints:
+            raise PatchError(f"patch does not produce the fingerprints of {m.run} v{m.version}")
+        placed, fb, changed = {}, [], 0
+        for e in h.tensors:
+            if e.kind == "removed" or e.base_fp is None or e.name not in self.shapes:
+                raise PatchError(f"{e.name}: a structural change (added/removed tensor) needs a "
+                                 "snapshot, not an in-place patch")
+            shape, dt = self.shapes[e.name]
+            if e.dtype != dt or tuple(e.shape) != tuple(shape):
+                raise PatchError(f"{e.name}: patch is for {e.dtype}{e.shape}, the engine holds "
+                                 f"{dt}{list(shape)}")
+            if fpr.parse(e.base_fp) != self.fps[e.name]:
+                raise PatchError(f"{e.name}: patch base fingerprint {e.base_fp} is not the "
+                                 f"engine's {fpr.fmt(self.fps[e.name])} (wrong base version?)")
+            if e.name in self.fallback:
+                fb.append(e)
+                continue
+            chunks, pos = [], []
+            for reader, c in _chunk_list(patch, e):
+                pb, vb = reader.read_chunk(c)
+                try:
+                    p = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
+                except codec.CodecError as err:
+                    raise PatchError(f"{e.name}: corrupt patch data: {err}") from None
+                chunks.append((c, vb, len(p)))
+                pos.append(p)
+            if not pos:
+                continue
+            allpos = torch.from_numpy(np.concatenate(pos))
+            changed += allpos.numel()
+            placed[e.name] = (allpos, (e, chunks))
+        return {"placed": placed, "fallback": fb, "changed": changed}
+
+    def _decode_all(self, patch, plan, gathered) -> tuple[dict[str, bytes], dict[str, Any]]:
+        h = patch.header
+        new: dict[str, bytes] = {}
+        for name, (pos, (e, chunks)) in plan["placed"].items():
+            dt = dtypes.info(e.dtype)
+            old = torch.empty(pos.numel(), dtype=dt.int_dtype)
+            held = torch.zeros(pos.numel(), dtype=torch.bool)
+            for g in gathered:
+                idx_b, bits_b = g["old"][name]
+                bits = torch.frombuffer(bytearray(bits_b), dtype=dt.int_dtype)
+                idx = (torch.arange(pos.numel()) if idx_b is None
+                       else torch.frombuffer(bytearray(idx_b), dtype=torch.int64))
+                old[idx] = bits
+                held[idx] = True
+            if not bool(held.all()):
+                raise EngineStateError(f"{name}: {int((~held).sum())} changed positions are held "
+                                       "by no rank (layout incomplete)")
+            got = self.fps[name]
+            out, s = [], 0
+            for c, vb, k in chunks:
+                p, o = pos[s:s + k], old[s:s + k].to(torch.int64)
+                s += k
+                v = _decode(name, c, None, vb, o, dt, torch.device("cpu"))
+                got = fpr.update(got, name, p, o, v, dt.itemsize)
+                out.append(v.to(dt.int_dtype))
+            if fpr.fmt(got) != e.target_fp:
+                raise PatchError(f"{name}: result fingerprint {fpr.fmt(got)} != {e.target_fp} "
+                                 "(corrupt patch?)")
+            new[name] = torch.cat(out).numpy().tobytes()
+        fb_new: dict[str, torch.Tensor] = {}
+        for e in plan["fallback"]:  # verified by apply_entry against the target fingerprint
+            fb_new[e.name] = apply_entry(patch, e, self.fallback[e.name],
+                                         base_fp=self.fps[e.name])
+        rows = [(n, dt, tuple(s), self.fps[n]) for n, (s, dt) in self.shapes.items()]
+        target = {t.name: fpr.parse(t.target_fp) for t in h.tensors}
+        check_digests(h, rows, [(n, dt, tuple(s), target[n]) for n, (s, dt) in
+                                self.shapes.items()])
+        return new, fb_new
+
+    async def _write(self, m: Manifest, aid: str, new: dict[str, bytes],
+                     fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
+        gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
+        async with gate_cm as handle:
+            t0 = time.perf_counter()
+            if self.pause is not None:
+                await self.pause()
+            t_w = time.perf_counter()
+            try:
+                replies = await self.rpc("write", {"id": aid, "values": new})
+                try:
+                    for name in new:
+                        got = sum(r["delta"][name] for r in replies) & fpr.MASK64
+                        want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
+                            & fpr.MASK64
+                        if got != want:
+                            raise EngineStateError(
+                                f"{name}: ranks wrote a change that does not add up to the "
+                                "manifest's (layout bug?); undone")
+                    if fb_new:
+                        await self.rpc("load", {"tensors": [
+                            (n, dtypes.info(t.dtype).name, list(t.shape),
+                             dtypes.int_view(t).numpy().tobytes()) for n, t in fb_new.items()]})
+                except BaseException:
+                    await self.rpc("undo", {"id": aid})
+                    raise
+                write_s = time.perf_counter() - t_w
+                await self.rpc("commit", {"id": aid})
+                self.fps = dict(m.fingerprints)
+                self.fallback.update(fb_new)
+                handle.commit()
+            finally:
+                if self.pause is not None and self.resume is not None:
+                    await self.resume()
+            pause_s = time.perf_counter() - t0
+        self._set_version(m.version)
+        if self.after_apply is not None:
+            try:
+                await self.after_apply()
+            except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
+                log.debug("after_apply hook: %s", e)
+        return {"write_s": write_s, "pause_s": pause_s,
+                "write_rank_s": max(r["seconds"] for r in replies)}
+
+    async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
+        """Load a whole version through the engine's loader, then prove it."""
+        async with self._lock:
+            files = sorted(str(p) for p in Path(snap_dir).glob("*.safetensors"))
+            want = m.fingerprints
+            if set(want) != set(self.shapes):
+                raise PatchError(f"snapshot v{m.version} has other tensors than the engine")
+            gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
+            async with gate_cm as handle:
+                if self.pause is not None:
+                    await self.pause()
+                try:
+                    await self.rpc("load_files", {"files": files})
+                    replies = await self.rpc("sums", {})
+                    bad = [n for n, k in self.mult.items()
+                           if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                           != (k * want[n]) & fpr.MASK64]
+                    if bad:
+                        self._set_version(None)
+                        raise EngineStateError(
+                            f"v{m.version} loaded but {len(bad)} tensors do not verify: {bad[:3]}")
+                    if self.fallback:
+                        self.fallback = await asyncio.to_thread(
+                            _load_host, Path(snap_dir), set(self.fallback))
+                    self.fps = dict(want)
+                    handle.commit()
+                finally:
+                    if self.pause is not None and self.resume is not None:
+                        await self.resume()
+            self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
+                          "tensors": len(self.mult), "fallback": len(self.fallback)}
+            self._set_version(m.version)
+            if self.after_apply is not None:
+                try:
+                    await self.after_apply()
+                except Exception as e:
+                    log.debug("after_apply hook: %s", e)
+
+    async def verify(self) -> dict[str, Any]:
+        """Recompute every rank's full sums and compare with the held version's fingerprints."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            replies = await self.rpc("sums", {"names": sorted(self.mult)})
+            bad = [n for n, k in self.mult.items()
+                   if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                   != (k * self.fps[n]) & fpr.MASK64]
+            self.check = {"ok": not bad, "at": time.time(), "kind": "full",
+                          "tensors": len(self.mult), "mismatched": bad[:20],
+                          "seconds": time.perf_counter() - t0}
+            if bad:
+                log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
+                          self.version, len(bad), ", ".join(bad[:5]))
+                self._set_version(None)
+            return self.check
+
+
+class _NoGate:
+    class _H:
+        def commit(self) -> None:
+            pass
+
+    async def __aenter__(self):
+        return self._H()
+
+    async def __aexit__(self, *exc) -> bool:
+        return False
+

@@ -1,0 +1,90 @@
+"""The worker side of the vLLM plugin: `--worker-extension-cls stitch_vllm.worker.StitchWorkerExtension`.
+
+vLLM mixes this class into its worker on every TP rank; `collective_rpc("stitch_call", args=(method,
+blob))` reaches all of them. Each rank holds a `stitch_core.replica.RankReplica` over its shard of
+the model (layout learned from the model's own loaders, gather/write/undo/commit, full sums); the
+coordinator in the API server process (`stitch_vllm.server`) decodes patches and drives the ranks.
+
+Payloads are pickled bytes both ways: vLLM's msgpack channel turns arrays into memoryviews that the
+worker message queue cannot carry. The channel is the engine's own, between its own processes.
+
+Pitfall (vLLM 0.32, CPU): at worker start-up vLLM scans every loaded module and fails on llvmlite
+objects (`'_lib_fn_wrapper' object has no attribute 'get'`). stitch_core's codec uses numba, so this
+module imports only `stitch_core.layout` (torch and numpy) at import time and the rest lazily, on
+the first call, when the engine is up.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from stitch_core.layout import apply_chunks, engine_params, learn_layout, read_safetensors_shapes
+
+from .cpu import repack_dirty
+
+__all__ = ["StitchWorkerExtension"]
+
+
+class StitchWorkerExtension:
+    """Mixed into vLLM's worker class; every name starts with ``stitch_`` (no clash)."""
+
+    def _stitch_model(self):
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def stitch_rank_info(self) -> dict[str, Any]:
+        from vllm.distributed import parallel_state as ps
+
+        info: dict[str, Any] = {"rank": getattr(self, "rank", None)}
+        try:
+            info["tp_rank"] = ps.get_tensor_model_parallel_rank()
+            info["tp_size"] = ps.get_tensor_model_parallel_world_size()
+            info["pp_rank"] = ps.get_pp_group().rank_in_group
+        except Exception:  # pragma: no cover - not initialised
+            pass
+        return info
+
+    def _stitch_replica(self):
+        rep = getattr(self, "_stitch_rep", None)
+        if rep is None:
+            from stitch_core.replica import RankReplica
+
+            model = self._stitch_model()
+            rep = RankReplica(model, on_dirty=lambda dirty: repack_dirty(model, dirty),
+                              rank_info=self.stitch_rank_info())
+            self._stitch_rep = rep
+        return rep
+
+    def stitch_call(self, method: str, blob: bytes) -> bytes:
+        """Run one RankReplica method; pickled payload in, pickled reply out."""
+        payload = pickle.loads(blob)
+        return pickle.dumps(self._stitch_replica().dispatch(method, payload))
+
+    # ------------------------------------------------------------ lower-level (tests, debugging)
+
+    def stitch_learn_layout(self, hf_shapes=None) -> dict[str, Any]:
+        model = self._stitch_model()
+        if hf_shapes is None:
+            hf_shapes = read_safetensors_shapes(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        self._stitch_layout = learn_layout(model, hf_shapes, rank_info=self.stitch_rank_info())
+        return self._stitch_layout.summary()
+
+    def stitch_apply(self, chunks, repack: bool = True) -> dict[str, Any]:
+        """chunks: list of (hf_name, positions, values) as accepted by ``layout.apply_chunk``."""
+        model = self._stitch_model()
+        out = apply_chunks(model, self._stitch_layout, chunks)
+        out["repacked"] = repack_dirty(model, out["params"]) if repack else []
+        return out
+
+    def stitch_param_bytes(self, names=None) -> dict[str, bytes]:
+        """Raw bytes of engine params (kept masters for packed CPU layers)."""
+        params = engine_params(self._stitch_model())
+        return {n: p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for n, p in params.items() if names is None or n in names}
+
+    def stitch_param_shapes(self) -> dict[str, Any]:
+        """Shapes of ``named_parameters`` as vLLM exposes them (packed layers may be empty)."""
+        return {n: (tuple(p.shape), str(p.dtype))
+                for n, p in self._stitch_model().named_parameters()}

@@ -1,0 +1,208 @@
+"""Coordinator + RankReplica on an engine-style TP model (tests/toy_engine.py), no engine needed.
+
+The same code runs inside vLLM workers (tests/vllm); here the ranks are in-process and the RPC
+round-trips through pickle like the engine's. A trainer publishes real AdamW versions to a board; a
+Follower drives the Coordinator; after every version the TP engine must be bit-identical to a fresh
+engine loaded from that version's weights.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from stitch_core import fingerprint as fpr
+from stitch_core.board import LocalBoard
+from stitch_core.cli_versions import pull
+from stitch_core.coordinator import Coordinator, EngineStateError
+from stitch_core.follower import Follower
+from stitch_core.replica import RankReplica
+from stitch_core.stp import PatchError
+from stitch_core.versions import read_manifest
+from stitch_trainer.publisher import Publisher
+
+from .toy_engine import HFToy, ToyEngine, train
+
+RUN = "toy"
+N = 12
+
+
+def _view(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    torch.manual_seed(0)
+    model = HFToy()
+    views = []
+    with Publisher(str(root / "board"), RUN, "bf16") as pub:
+        pub.publish(0, model).result()
+        views.append(_view(model))
+        for step, m in enumerate(train(model, N - 1), start=1):
+            pub.publish(step, m).result()
+            views.append(_view(m))
+        pub.flush()
+    return root, views
+
+
+def _engines(world: int, weights: dict[str, torch.Tensor]) -> list[ToyEngine]:
+    engines = [ToyEngine(r, world) for r in range(world)]
+    for e in engines:
+        e.load_weights(iter(weights.items()))
+    return engines
+
+
+def _same(a: ToyEngine, b: ToyEngine) -> bool:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(
+        torch.equal(pa[k].data.view(torch.uint8), pb[k].data.view(torch.uint8)) for k in pa)
+
+
+def _rpc(replicas):
+    async def rpc(method, payload):
+        payload = pickle.loads(pickle.dumps(payload))  # as through the engine's RPC
+        return [pickle.loads(pickle.dumps(r.dispatch(method, payload))) for r in replicas]
+    return rpc
+
+
+async def _start(root: Path, views, world: int, version: int = 0, name: str = "pulled"):
+    d = root / f"{name}-{world}-{version}"
+    if not d.exists():
+        await pull(LocalBoard(root / "board"), RUN, version, d, root / "cache", quiet=True)
+    engines = _engines(world, views[version])
+    replicas = [RankReplica(e, rank_info={"rank": i}) for i, e in enumerate(engines)]
+    coord = Coordinator(_rpc(replicas), run=RUN)
+    assert await coord.start(d) == version
+    return engines, replicas, coord
+
+
+@pytest.mark.parametrize("world", [1, 2])
+async def test_follows_every_version_bit_exact(published, tmp_path, world):
+    root, views = published
+    engines, _, coord = await _start(root, views, world)
+    assert coord.ranks == world
+    # the transforming loader cannot be mapped: it goes through the engine's own loader
+    assert sorted(coord.fallback) == ["model.layers.1.scale"]
+    assert coord.mult["model.layers.0.input_layernorm.weight"] == world  # replicated: all copies
+    assert coord.mult["model.layers.0.self_attn.q_proj.weight"] == 1
+    board = LocalBoard(root / "board")
+    for v in range(1, N):
+        m = await read_manifest(board, RUN, v)
+        f = Follower(board, RUN, coord, version=v - 1, cache_dir=tmp_path / "cache")
+        await f.catch_up(v)
+        assert coord.version == v and f.version == v
+        fresh = _engines(world, views[v])
+        assert all(_same(a, b) for a, b in zip(engines, fresh, strict=True)), f"v{v}"
+        assert coord.fps == m.fingerprints
+    stats = coord.history[-1]
+    assert stats["changed"] > 0 and stats["write_rank_s"] >= 0
+    assert (await coord.verify())["ok"]
+
+
+async def _corrupt_copy(src: Path, dst: Path, at: int) -> Path:
+    b = bytearray(src.read_bytes())
+    b[at] ^= 0x40
+    dst.write_bytes(bytes(b))
+    return dst
+
+
+async def test_bad_patches_are_refused_and_the_engine_is_untouched(published, tmp_path):
+    root, views = published
+    engines, _, coord = await _start(root, views, 2, name="bad")
+    board = LocalBoard(root / "board")
+    cache = tmp_path / "c"
+    f = Follower(board, RUN, coord, version=0, cache_dir=cache)
+    await f.catch_up(2)
+    before = _engines(2, views[2])
+    m3 = await read_manifest(board, RUN, 3)
+    m4 = await read_manifest(board, RUN, 4)
+    f3 = (await _fetch(board, m3, cache))[0]
+    f4 = (await _fetch(board, m4, cache))[0]
+    size = f3.stat().st_size
+    cases = {
+        "corrupt": [await _corrupt_copy(f3, tmp_path / "c1.stp", size // 3)],
+        "truncated": [_trunc(f3, tmp_path / "t.stp")],
+        "out of order": [f4],
+    }
+    for what, paths in cases.items():
+        with pytest.raises((PatchError, ValueError)):
+            await coord.apply_patch(m3 if what != "out of order" else m4, paths)
+        assert coord.version == 2, what
+        assert all(_same(a, b) for a, b in zip(engines, before, strict=True)), what
+    # foreign: a patch from another run with the same shapes
+    with pytest.raises((PatchError, ValueError)):
+        await coord.apply_patch(m3.model_copy(update={"run": "other"}), [f3])
+    # a manifest that does not match the patch (forged target fingerprints)
+    forged = m3.model_copy(update={"tensors": [t.model_copy(update={"fingerprint": "0" * 16})
+                                               for t in m3.tensors]})
+    with pytest.raises(PatchError):
+        await coord.apply_patch(forged, [f3])
+    assert coord.version == 2
+    assert all(_same(a, b) for a, b in zip(engines, before, strict=True))
+    # the good patch still applies afterwards
+    await coord.apply_patch(m3, [f3])
+    assert coord.version == 3
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[3]), strict=True))
+
+
+def _trunc(src: Path, dst: Path) -> Path:
+    dst.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    return dst
+
+
+async def _fetch(board, m, cache):
+    from stitch_core.versions import fetch_patch
+
+    return await fetch_patch(board, m, cache)
+
+
+async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path):
+    root, views = published
+    engines, replicas, coord = await _start(root, views, 2, name="liar")
+    board = LocalBoard(root / "board")
+    m1 = await read_manifest(board, RUN, 1)
+    paths = await _fetch(board, m1, tmp_path)
+    real_write = replicas[1].write
+
+    def lying_write(apply_id, values):  # writes, but reports a wrong delta (a layout bug)
+        out = real_write(apply_id, values)
+        name = next(iter(out["delta"]))
+        out["delta"][name] = (out["delta"][name] + 1) & fpr.MASK64
+        return out
+
+    replicas[1].write = lying_write
+    with pytest.raises(EngineStateError):
+        await coord.apply_patch(m1, paths)
+    assert coord.version == 0
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
+    replicas[1].write = real_write
+    await coord.apply_patch(m1, paths)
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))
+
+
+async def test_silent_corruption_is_caught_by_a_full_check(published):
+    root, views = published
+    engines, _, coord = await _start(root, views, 2, name="rot")
+    assert (await coord.verify())["ok"]
+    w = engines[1].model.layers[0].input_layernorm.weight  # one replicated copy on rank 1
+    w.data.view(torch.int32)[3] ^= 1
+    check = await coord.verify()
+    assert not check["ok"] and "model.layers.0.input_layernorm.weight" in check["mismatched"]
+    assert coord.version is None  # not serving until recovered
+
+
+async def test_snapshot_load_through_the_engine_loader(published, tmp_path):
+    root, views = published
+    engines, _, coord = await _start(root, views, 2, name="snap")
+    d = root / "pulled-snap-7"
+    await pull(LocalBoard(root / "board"), RUN, 7, d, root / "cache", quiet=True)
+    m7 = await read_manifest(LocalBoard(root / "board"), RUN, 7)
+    await coord.load_snapshot(m7, d)
+    assert coord.version == 7
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[7]), strict=True))
+    assert (await coord.verify())["ok"]

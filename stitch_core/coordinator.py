@@ -208,8 +208,8 @@ class Coordinator:
             self.patch_bytes_total += m.patch_bytes
             self.last_apply = stats
             self.history.append(stats)
-            if self.metrics is not None:
-                self.metrics.applied(m.version, stats["total_s"], m.patch_bytes)
+            if self.metrics is not None and self.gate is None:  # a gate reports its applies
+                self.metrics.applied(m.version, stats["pause_s"], m.patch_bytes)
             return stats
 
     def _positions(self, patch, m: Manifest) -> dict[str, Any]:
@@ -322,7 +322,7 @@ class Coordinator:
                 await self.rpc("commit", {"id": aid})
                 self.fps = dict(m.fingerprints)
                 self.fallback.update(fb_new)
-                handle.commit()
+                handle.commit(m.patch_bytes)
             finally:
                 if self.pause is not None and self.resume is not None:
                     await self.resume()

@@ -14,8 +14,9 @@ worker, an SGLang TP process). It never decodes a patch: the node's coordinator
 
 `sums()` recomputes the same per-copy sums over the whole model (start-up check, `verify`); an
 engine that keeps a tensor in a wider dtype (fp32 norms) must hold exactly the widened served
-value, anything else counts as corruption. The coordinator checks that the ranks' sums add up to multiplicity x the manifest fingerprint, so
-every copy on every rank is proven, not just one designated owner.
+value, anything else counts as corruption. The coordinator checks that the ranks' sums add up to
+multiplicity x the manifest fingerprint, so every copy on every rank is proven, not just one
+designated owner.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class RankReplica:
         self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._undo_id: str | None = None
         self._dirty: set[str] = set()
+        self._last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ------------------------------------------------------------ set-up and full checks
 
@@ -243,6 +245,7 @@ class RankReplica:
             self._restore(undo, dirty)
             raise
         self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
+        self._last_write = [(flat, eng) for flat, eng, _ in undo]
         return {"delta": deltas, "dirty": sorted(dirty), "seconds": time.perf_counter() - t0}
 
     def _restore(self, undo, dirty: set[str]) -> None:
@@ -267,6 +270,22 @@ class RankReplica:
         if apply_id == self._plan_id:
             self._plan, self._plan_id = {}, None
         return {"committed": apply_id}
+
+    def baseline(self, repeat: int = 3) -> dict[str, Any]:
+        """Benchmark baseline: the best time of a bare ``index_put_`` of the last write's values
+        at the same engine positions of the same tensors (rewrites identical bits)."""
+        if not self._last_write:
+            raise ReplicaError("no write to compare with")
+        vals = [flat[eng].clone() for flat, eng in self._last_write]
+        best = float("inf")
+        for _ in range(max(1, repeat)):
+            t0 = time.perf_counter()
+            for (flat, eng), v in zip(self._last_write, vals, strict=True):
+                flat.index_put_((eng,), v)
+            if vals and vals[0].device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return {"index_put_s": best, "elements": sum(int(e.numel()) for _, e in self._last_write)}
 
     # ------------------------------------------------------------ the engine's own loader
 
@@ -313,6 +332,8 @@ class RankReplica:
             return self.load((n, dtypes.from_int(torch.frombuffer(bytearray(b), dtype=dtypes.info(
                 d).int_dtype), dtypes.info(d).torch_dtype, tuple(s))) for n, d, s, b in
                 payload["tensors"])
+        if method == "baseline":
+            return self.baseline(int(payload.get("repeat", 3)))
         if method == "load_files":
             return self.load_files(payload["files"])
         raise ReplicaError(f"unknown method {method!r}")

@@ -394,7 +394,7 @@ class Coordinator:
 
 class _NoGate:
     class _H:
-        def commit(self) -> None:
+        def commit(self, patch_bytes: int | None = None) -> None:
             pass
 
     async def __aenter__(self):

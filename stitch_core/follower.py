@@ -150,7 +150,8 @@ class Follower:
                 else:
                     await self.sync()  # timer tick (or a wake with nothing new): reconcile
             except Exception as e:  # keep following; the next tick retries
-                self.last_error = str(e)
+                if not (self.last_error or "").endswith(str(e)):  # keep "vN rejected: ..."
+                    self.last_error = str(e)
                 log.warning("follower %s: %s", self.id, e)
             self._wake.clear()
             try:

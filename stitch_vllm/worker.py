@@ -1,4 +1,6 @@
-"""The worker side of the vLLM plugin: `--worker-extension-cls stitch_vllm.worker.StitchWorkerExtension`.
+"""Worker side of the vLLM plugin.
+
+Used as `--worker-extension-cls stitch_vllm.worker.StitchWorkerExtension`.
 
 vLLM mixes this class into its worker on every TP rank; `collective_rpc("stitch_call", args=(method,
 blob))` reaches all of them. Each rank holds a `stitch_core.replica.RankReplica` over its shard of

@@ -206,3 +206,22 @@ async def test_snapshot_load_through_the_engine_loader(published, tmp_path):
     assert coord.version == 7
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[7]), strict=True))
     assert (await coord.verify())["ok"]
+
+
+async def test_engine_started_from_plain_files_waits_for_a_snapshot(published, tmp_path):
+    """No stitch-manifest.json: the files are proven against their own fingerprints, but the
+    engine holds no version of the run until it loads a snapshot through its loader."""
+    root, views = published
+    plain = tmp_path / "plain"
+    await pull(LocalBoard(root / "board"), RUN, 0, plain, root / "cache", quiet=True)
+    (plain / "stitch-manifest.json").unlink()
+    engines = _engines(2, views[0])
+    replicas = [RankReplica(e) for e in engines]
+    coord = Coordinator(_rpc(replicas), run=RUN)
+    assert await coord.start(plain) is None
+    assert coord.check["ok"] is True and sorted(coord.fallback) == ["model.layers.1.scale"]
+    board = LocalBoard(root / "board")
+    f = Follower(board, RUN, coord, version=None, cache_dir=tmp_path / "cache")
+    assert await f.sync() == N - 1
+    assert f.applied == [0, *range(1, N)]  # the snapshot, then every patch
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[N - 1]), strict=True))

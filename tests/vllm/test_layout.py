@@ -1,4 +1,4 @@
-"""stitch_core.layout (through stitch_vllm.worker) against a real vLLM engine on the CPU (TP=1, in-process).
+"""stitch_core.layout, through stitch_vllm.worker, against a real vLLM engine (CPU, TP=1).
 
 Learns the HF -> engine layout from the model's own loaders, applies a random
 sparse bf16 change through it, and checks the patched engine is bit-identical

@@ -1,0 +1,156 @@
+"""Helpers for tests against real vLLM OpenAI servers (subprocesses) running the Stitch plugin.
+
+The engine always runs in its own process: vLLM 0.32's CPU worker fails at start-up in a process
+that already imported numba (stitch_core's codec), and a test process publishes and pulls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
+MAX_TOKENS = 12
+TOP = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(tp: int = 1, **stitch: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CPU_OMP_THREADS_BIND="nobind" if tp == 1 else "|".join(
+                   str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    for k, v in stitch.items():
+        env[f"STITCH_{k.upper()}"] = str(v)
+    return env
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
+    middleware (the plugin entry point is installed with the package)."""
+
+    def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
+                 **stitch: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
+               "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
+               "--generation-config", "vllm",
+               "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+               "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        if tp > 1:
+            cmd += ["-tp", str(tp), "--distributed-executor-backend", "mp"]
+        self.log = log
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=engine_env(tp, **stitch), stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def wait_version(self, version: int, timeout: float = 300) -> dict:
+        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
+        deadline = time.monotonic() + timeout
+        last: dict | str = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                r = self.http.get("/stitch/status", timeout=5)
+                last = r.json()
+                if last.get("version") == version and last.get("state") == "serving":
+                    return last
+            except httpx.HTTPError as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
+
+    def status(self) -> dict:
+        return self.http.get("/stitch/status").json()
+
+    def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "logprobs": TOP, "return_tokens_as_token_ids": True, **kw}
+        return self.http.post("/v1/completions", json=body, headers=headers or {})
+
+    def outputs(self, version: int) -> list[dict]:
+        """Greedy tokens and top logprobs for PROMPTS, pinned to exactly `version`."""
+        res = []
+        for p in PROMPTS:
+            r = self.complete(p, {"X-Stitch-Version": str(version)})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["stitch"]["version_start"] == body["stitch"]["version_end"] == version
+            lp = body["choices"][0]["logprobs"]
+            res.append({"tokens": [int(t.split(":")[1]) for t in lp["tokens"]],
+                        "top": [{int(k.split(":")[1]): v for k, v in d.items()}
+                                for d in lp["top_logprobs"]]})
+        return res
+
+    def tail(self, n: int = 60) -> str:
+        self._logf.flush()
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._logf.close()
+
+
+FRESH = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    dirs, tp, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    prompts, n, top = json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    res = {}
+    for d in dirs:
+        kw = dict(tensor_parallel_size=tp, distributed_executor_backend="mp") if tp > 1 else {}
+        llm = LLM(model=d, dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0,
+                  max_num_seqs=4, generation_config="vllm", **kw)
+        sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=top)
+        rows = []
+        for p in prompts:  # one at a time, like the server requests
+            c = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            rows.append({"tokens": list(c.token_ids),
+                         "top": [{int(t): lp.logprob for t, lp in step.items()}
+                                 for step in c.logprobs]})
+        res[d] = rows
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    json.dump(res, open(out, "w"))
+""")
+
+
+def fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, list[dict]]:
+    """Outputs of fresh engines loaded from each directory (one subprocess, engines in turn)."""
+    out = tmp / "fresh.json"
+    subprocess.run([sys.executable, "-c", FRESH, json.dumps([str(d) for d in dirs]), str(tp),
+                    str(out), json.dumps(PROMPTS), str(MAX_TOKENS), str(TOP)],
+                   env=engine_env(tp), check=True, timeout=900)
+    res = json.loads(out.read_text())
+    return {d: [{"tokens": r["tokens"], "top": [{int(k): v for k, v in s.items()}
+                                                for s in r["top"]]} for r in rows]
+            for d, rows in res.items()}

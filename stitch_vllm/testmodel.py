@@ -1,6 +1,6 @@
 """Tiny random HF checkpoints for testing engines offline (no hub access).
 
-``build_tiny_model(out_dir, arch="qwen2"|"llama", seed=0)`` writes a directory
+``build_tiny_model(out_dir, arch="qwen2"|"qwen3"|"llama", seed=0)`` writes a directory
 that ``vllm.LLM(model=out_dir)`` / ``AutoModelForCausalLM.from_pretrained`` can
 load with no network:
 
@@ -97,7 +97,19 @@ def tiny_config(arch: str = "qwen2", *, vocab_size: int = 500, hidden_size: int 
             "head_dim": hidden_size // num_heads,
             **common,
         }
-    raise ValueError(f"unknown arch {arch!r} (expected 'qwen2' or 'llama')")
+    if arch == "qwen3":  # per-head q/k RMS norms, no qkv bias, tied embeddings (small Qwen3s)
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "head_dim": hidden_size // num_heads,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": num_layers,
+            **common,
+            "tie_word_embeddings": True,
+        }
+    raise ValueError(f"unknown arch {arch!r} (expected 'qwen2', 'qwen3' or 'llama')")
 
 
 def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -118,6 +130,9 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
+        if cfg["model_type"] == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (h, nh * hd)
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
@@ -134,7 +149,7 @@ def _random_weights(cfg: dict, seed: int):
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in _hf_shapes(cfg).items():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=g)

@@ -143,7 +143,7 @@ def _values_through_layout(llm, hf_weights):
 def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_layout")
     out = {}
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2", "llama", "qwen3"):
         a = build_tiny_model(base / f"{arch}_a", arch=arch, seed=0)
         w = load_file(str(a / "model.safetensors"))
         change = _random_change(w)
@@ -152,7 +152,7 @@ def ckpts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_patch_through_layout_matches_fresh_engine(ckpts, arch):
     a, b, change = ckpts[arch]
     hf_shapes = L.read_safetensors_shapes(a)

@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Demo: a trainer publishes versions of a small model; a follower materialises each one.
+"""Demo: a trainer publishes versions of a model; a follower, then a vLLM engine, follow them.
 
-On this machine: a real nats-server (JetStream) and a board directory, a Llama-shaped model trained
-with AdamW at an RL learning rate, the `Publisher` shipping each step as a lossless patch (a
-snapshot every 5 versions), and a `Follower` subscribed to the announcements that fetches, applies
-and verifies every version bit for bit. Then the CLI: `stitch versions`, `stitch pull`,
+Part 1, on this machine: a real nats-server (JetStream) and a board directory, a Llama-shaped
+model trained with AdamW at an RL learning rate, the `Publisher` shipping each step as a lossless
+patch (a snapshot every 5 versions), and a `Follower` subscribed to the announcements that fetches,
+applies and verifies every version bit for bit. Then the CLI: `stitch versions`, `stitch pull`,
 `stitch inspect`, and a corrupted patch being refused.
+
+Part 2 (`scripts/demo_vllm.py`; `--no-engine` skips it): a stock vLLM OpenAI server with the Stitch
+plugin follows a trainer's versions in place, and each completion says which version served it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,13 +66,42 @@ def stitch(*args: object) -> subprocess.CompletedProcess:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--no-engine", action="store_true",
+                    help="skip part 2 (the vLLM engine), e.g. where vLLM cannot be installed")
+    ap.add_argument("--engine-versions", type=int, default=6,
+                    help="versions the trainer of part 2 publishes after v0")
+    ap.add_argument("--vllm-python", type=Path, default=None,
+                    help="python of the vLLM venv (default: $STITCH_VLLM_VENV or .venv-vllm)")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: cleanup
     work = a.out or Path(tempfile.mkdtemp(prefix="stitch-demo-"))
     work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        engine = None
+        if not a.no_engine:
+            from demo_vllm import EngineDemo
+
+            # part 2's vLLM server boots (30-60 s) while part 1 runs
+            engine = stack.enter_context(EngineDemo(work / "engine", a.engine_versions,
+                                                    vllm_python=a.vllm_python))
+            print(f"(part 2's vLLM server is starting in the background meanwhile; log: "
+                  f"{engine.engine.log})\n")
+        print("=== part 1: trainer -> board + NATS -> follower, bit for bit ===\n")
+        follower_demo(work, a)
+        if engine is not None:
+            print("\n=== part 2: trainer -> board + NATS -> vLLM OpenAI server with the Stitch "
+                  "plugin ===\n")
+            engine.show()
+    print(f"\ndemo done in {time.monotonic() - t0:.0f} s; work directory {work}")
+
+
+def follower_demo(work: Path, a: argparse.Namespace) -> None:
     board = work / "board"
 
     params = small_llama(layers=4, hidden=512, inter=1408, vocab=8000)
@@ -158,4 +192,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the servers are stopped by now
+        sys.exit(130)

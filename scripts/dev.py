@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine: creates .venv, installs Stitch, runs the demo or tests.
 
-    python3 scripts/dev.py demo     # set up + run the demo
+    python3 scripts/dev.py demo     # set up (.venv and .venv-vllm) + run the demo
+    python3 scripts/dev.py demo --no-engine   # without the vLLM engine part (no .venv-vllm)
     python3 scripts/dev.py test     # set up + run lint and the whole test suite
 
 Only Python 3.11+ is assumed. torch is pinned to the CPU build 2.13.0 so that pip does not pull a
@@ -62,6 +63,18 @@ def setup_vllm() -> None:
     VLLM_STAMP.touch()
 
 
+def run_demo(cmd: list, env: dict[str, str]) -> int:
+    """Like run(), but Ctrl-C lets the demo stop its servers (subprocess.run would kill it)."""
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env)
+    while True:
+        try:
+            rc = proc.wait()
+            return 128 - rc if rc < 0 else rc  # killed by a signal: as a shell reports it
+        except KeyboardInterrupt:  # the demo got the SIGINT too and is cleaning up
+            continue
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
     setup()
@@ -77,8 +90,22 @@ def main() -> int:
         run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
         return 0
     if what == "demo":
-        run(PY, ROOT / "scripts" / "demo.py", *sys.argv[2:], env=env)
-        return 0
+        args = sys.argv[2:]
+        if "--no-engine" not in args and not any(a in ("-h", "--help") for a in args):
+            if not (VLLM_VENV / "bin" / "python").exists():
+                print(f"building the vLLM venv {VLLM_VENV} ({VLLM_SPEC}) for the engine part of "
+                      "the demo: about 7 minutes, once (`demo --no-engine` skips that part)",
+                      flush=True)
+            elif not VLLM_STAMP.exists():
+                print(f"checking the vLLM venv {VLLM_VENV} ({VLLM_SPEC})", flush=True)
+            try:
+                setup_vllm()
+            except subprocess.CalledProcessError:
+                print("could not build the vLLM venv; `python3 scripts/dev.py demo --no-engine` "
+                      "runs the demo without the engine", file=sys.stderr)
+                raise
+        return run_demo([PY, ROOT / "scripts" / "demo.py", *args],
+                        dict(env, STITCH_VLLM_VENV=str(VLLM_VENV)))
     print(f"unknown command {what!r}; use demo | test | setup", file=sys.stderr)
     return 2
 

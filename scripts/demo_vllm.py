@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Demo, engine part: a trainer and a stock vLLM OpenAI server following it, on this machine.
+
+A real nats-server and a board directory; a small Qwen2 built here (random weights, a tokenizer
+trained here: nothing is downloaded); the trainer (transformers + AdamW) publishes v0 and
+`stitch pull` materialises it; `python -m vllm.entrypoints.openai.api_server` starts from that
+directory with the Stitch worker extension and middleware, from the vLLM venv (vLLM's CPU build
+lives in a venv of its own, see `scripts/dev.py`). Then every step the trainer publishes a patch
+and a completion asks for at least that version (`X-Stitch-Min-Version`, `X-Stitch-Wait`): the
+response tells which version served it. Also a 409 for a version the engine cannot serve,
+`/stitch/status` and the `stitch_*` metrics.
+
+Run through `python3 scripts/dev.py demo` (builds both venvs), or with .venv's python:
+`python scripts/demo_vllm.py [--vllm-python .venv-vllm/bin/python]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from stitch_core.board import LocalBoard
+from stitch_core.cli_versions import pull
+from stitch_core.natsserver import NatsServer
+from stitch_trainer import Publisher
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = "demo-vllm"
+PROMPT = "The quick brown"
+MAX_TOKENS = 12
+ENGINE_ENV = ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "STITCH_BOARD",
+              "STITCH_NATS_URL", "STITCH_RUN", "STITCH_CACHE_DIR"]
+
+
+def default_vllm_python() -> Path:
+    venv = Path(os.environ.get("STITCH_VLLM_VENV", ROOT / ".venv-vllm"))
+    return venv / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """The vLLM OpenAI server, started as a user would, in its own process group."""
+
+    def __init__(self, python: Path, model_dir: Path, log: Path, board: Path, nats: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        self.log = log
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   STITCH_BOARD=str(board), STITCH_NATS_URL=nats, STITCH_RUN=RUN,
+                   STITCH_CACHE_DIR=str(log.parent / "engine-cache"),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                            os.environ.get("PYTHONPATH")])))
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                    "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+                    "--max-num-seqs", "4", "--port", str(self.port),
+                    "--generation-config", "vllm",
+                    "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+                    "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, env=env, cwd=log.parent, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+        self.env = {k: env[k] for k in ENGINE_ENV}
+
+    def describe(self) -> str:
+        """The command line, as a user would type it."""
+        words = [f"{k}={v}" for k, v in self.env.items()] + [self.cmd[0], " ".join(self.cmd[1:3])]
+        for a in self.cmd[3:]:  # keep each flag with its value
+            words[-1:] = [f"{words[-1]} {a}"] if not a.startswith("-") else [words[-1], a]
+        lines = [""]
+        for w in words:
+            if lines[-1] and len(lines[-1]) + len(w) > 90:
+                lines.append("")
+            lines[-1] += (" " if lines[-1] else "") + w
+        return ("$ " + " \\\n    ".join(lines) + f"\nlog: {self.log}\n"
+                "waiting for GET /stitch/status to say \"serving\" (30-60 s: vLLM starts, then\n"
+                "the plugin proves the loaded weights against v0's fingerprints)")
+
+    def wait_serving(self, timeout: float = 600) -> dict:
+        t0 = self.t0
+        last, shown = "not listening yet", 0.0
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with code {self.proc.returncode}")
+            try:
+                st = self.http.get("/stitch/status", timeout=5).json()
+                if st.get("state") == "serving":
+                    return st
+                last = f"state {st.get('state')!r}" + (f", {st['error']}" if "error" in st
+                                                       else "")
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() - shown >= 10:
+                shown = time.monotonic()
+                print(f"  ... {shown - t0:3.0f} s since the start: {last}", flush=True)
+            time.sleep(0.5)
+        raise TimeoutError(f"the vLLM server was not serving after {timeout:.0f} s ({last})")
+
+    def complete(self, headers: dict[str, str]) -> httpx.Response:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0}
+        return self.http.post("/v1/completions", json=body, headers=headers)
+
+    def tail(self, n: int = 40) -> str:
+        self._logf.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of its process group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._logf.close()
+
+
+class Trainer:
+    """A HF causal LM trained with AdamW on a few sentences, publishing each step."""
+
+    def __init__(self, model_dir: Path, board: Path, nats: str, lr: float):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from stitch_vllm.testmodel import CORPUS
+
+        hf_logging.disable_progress_bar()
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        ids = [tok(t)["input_ids"] for t in CORPUS]
+        n = max(map(len, ids))
+        self.x = torch.tensor([s + [-100] * (n - len(s)) for s in ids])
+        self.pub = Publisher(str(board), RUN, "bf16", nats=nats, config_dir=model_dir)
+        self.step = 0
+
+    def train_step(self) -> float:
+        labels = self.x
+        inputs = labels.clamp(min=0)
+        loss = self.model(input_ids=inputs, attention_mask=(labels >= 0).long(),
+                          labels=labels).loss
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.step += 1
+        return loss.item()
+
+    def publish(self):
+        return self.pub.publish(self.step, self.model)
+
+
+def show_error(r: httpx.Response) -> str:
+    try:
+        return json.dumps(r.json()["error"])
+    except (ValueError, KeyError):
+        return r.text[:300]
+
+
+class EngineDemo:
+    """The engine part as a context manager: entering starts nats-server, the trainer (v0 is
+    published and pulled) and the vLLM server, quietly, so that the server can boot while
+    something else runs; `show()` then runs the part; leaving stops everything."""
+
+    def __init__(self, work: Path, versions: int = 6, lr: float = 3e-3,
+                 vllm_python: Path | None = None):
+        self.python = vllm_python or default_vllm_python()
+        if not self.python.exists():
+            raise SystemExit(f"no vLLM venv at {self.python.parent.parent}: `python3 "
+                             "scripts/dev.py demo` builds it (or set STITCH_VLLM_VENV; "
+                             "--no-engine skips the engine part)")
+        self.work, self.versions, self.lr = work, versions, lr
+        self.stack = contextlib.ExitStack()
+        self.engine: Engine | None = None
+
+    def __enter__(self) -> EngineDemo:
+        from stitch_vllm.testmodel import build_tiny_model
+
+        try:
+            work = self.work
+            work.mkdir(parents=True, exist_ok=True)
+            self.board = work / "board"
+            model_dir = build_tiny_model(work / "model", arch="qwen2", max_position_embeddings=256)
+            self.nats = self.stack.enter_context(NatsServer(work / "nats", port=0))
+            self.trainer = Trainer(model_dir, self.board, self.nats.url, self.lr)
+            self.stack.callback(self.trainer.pub.close)
+            self.v0 = self.trainer.publish().result(120)
+            asyncio.run(pull(LocalBoard(self.board), RUN, 0, work / "v0", work / "cache",
+                             quiet=True))
+            self.engine = Engine(self.python, work / "v0", work / "vllm-server.log", self.board,
+                                 self.nats.url)
+            self.stack.callback(self.engine.stop)
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if typ is KeyboardInterrupt:
+            print("\ninterrupted: stopping the vLLM server and nats-server", file=sys.stderr)
+        elif (typ is not None and self.engine is not None
+              and not (typ is SystemExit and isinstance(exc.code, int))):  # not SIGTERM
+            print(f"\n--- last lines of {self.engine.log} ---\n{self.engine.tail()}\n---",
+                  file=sys.stderr)
+        self.stack.close()
+        print(f"\nstopped the vLLM server and nats-server ({self.work})")
+
+    def show(self) -> None:
+        engine, trainer = self.engine, self.trainer
+        assert engine is not None
+        n = sum(p.numel() for p in trainer.model.parameters())
+        print(f"nats-server {self.nats.url}, board {self.board}\n"
+              f"model: Qwen2 {n / 1e6:.2f}M params (built here, random init), "
+              f"AdamW lr={self.lr}, served view bf16\n"
+              f"the trainer published v{self.v0.version} ({self.v0.kind}); "
+              f"`stitch pull` -> {self.work / 'v0'}\n")
+        print(engine.describe(), flush=True)
+        st = engine.wait_serving()
+        print(f"serving v{st['version']} {time.monotonic() - engine.t0:.0f} s after the "
+              f"start (fingerprint check ok: {(st.get('fingerprint_check') or {}).get('ok')})\n")
+        r = engine.complete({"X-Stitch-Version": "0"})
+        r.raise_for_status()
+        print(f"v0 says: {PROMPT!r} -> {r.json()['choices'][0]['text']!r}\n")
+        run_versions(engine, trainer, self.versions)
+        show_409_status_metrics(engine)
+
+
+def engine_demo(work: Path, versions: int = 6, lr: float = 3e-3,
+                vllm_python: Path | None = None) -> None:
+    with EngineDemo(work, versions, lr, vllm_python) as demo:
+        demo.show()
+
+
+def run_versions(engine: Engine, trainer: Trainer, versions: int) -> None:
+    print("each step: train, publish, then POST /v1/completions with X-Stitch-Min-Version: <v>, "
+          "X-Stitch-Wait: 30\n(a tiny model at a high lr, so most weights change each step; part 1 "
+          "shows an RL-sized lr)\n"
+          "upload: publish() until the version is on the board and announced; applied: publish() "
+          "until the\nengine serves it (its apply took `apply`); answered: publish() until the "
+          "completion came back")
+    field = '"stitch"'
+    print(f"{'ver':>3} {'loss':>5} {'patch KB':>8} {'changed %':>9} {'headers':>7} {field:>8} "
+          f"{'upload ms':>9} {'apply ms':>8} {'applied ms':>10} {'answered ms':>11}  "
+          f"completion of {PROMPT!r}")
+    for _ in range(versions):
+        loss = trainer.train_step()
+        t0, wall0 = time.perf_counter(), time.time()
+        m = trainer.publish().result(120)
+        upload = time.perf_counter() - t0
+        r = engine.complete({"X-Stitch-Min-Version": str(m.version), "X-Stitch-Wait": "30"})
+        answered = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise SystemExit(f"v{m.version}: HTTP {r.status_code} {show_error(r)}")
+        body = r.json()
+        s = body["stitch"]
+        hdr = f"{r.headers['X-Stitch-Version-Start']}/{r.headers['X-Stitch-Version-End']}"
+        st = engine.http.get("/stitch/status").json()
+        apply_s = (st.get("last_apply") or {}).get("total_s") or 0.0
+        applied = (st.get("last_apply_time") or wall0) - wall0
+        changed = 100 * m.changed_elements / m.total_elements if m.changed_elements else 0.0
+        text = body["choices"][0]["text"]
+        body_v = f"{s['version_start']}/{s['version_end']}"
+        print(f"{m.version:>3} {loss:>5.2f} {(m.patch_bytes or 0) / 1e3:>8.1f} {changed:>9.2f} "
+              f"{hdr:>7} {body_v:>8} {1e3 * upload:>9.0f} {1e3 * apply_s:>8.0f} "
+              f"{1e3 * applied:>10.0f} {1e3 * answered:>11.0f}  {text[:40]!r}", flush=True)
+        if not (s["version_start"] == s["version_end"] == m.version):
+            raise SystemExit(f"v{m.version} was not served: {s}")
+
+
+def show_409_status_metrics(engine: Engine) -> None:
+    v = engine.http.get("/stitch/status").json()["version"]
+    print("\nPOST /v1/completions with X-Stitch-Version: 0 (engines never go back)")
+    r = engine.complete({"X-Stitch-Version": "0"})
+    print(f"  HTTP {r.status_code}, Retry-After {r.headers.get('Retry-After')}: {show_error(r)}")
+    print(f"POST /v1/completions with X-Stitch-Min-Version: {v + 1} (not published yet), no wait")
+    r = engine.complete({"X-Stitch-Min-Version": str(v + 1)})
+    print(f"  HTTP {r.status_code}: {show_error(r)}")
+    if r.status_code != 409:
+        raise SystemExit("expected a 409")
+    st = engine.http.get("/stitch/status").json()
+    keys = ["run", "version", "latest", "lag", "state", "mode", "applies", "last_apply_seconds",
+            "last_apply", "not_ready_total", "patch_bytes_total", "ranks", "fingerprint_check",
+            "engine"]
+    compact = {k: st[k] for k in keys if k in st}
+    for k, v in list(compact.items()):
+        if isinstance(v, float):
+            compact[k] = round(v, 3)
+    if isinstance(compact.get("last_apply"), dict):
+        compact["last_apply"] = {k: round(v, 3) if isinstance(v, float) else v
+                                 for k, v in compact["last_apply"].items()}
+    if isinstance(compact.get("fingerprint_check"), dict):
+        compact["fingerprint_check"] = {k: compact["fingerprint_check"].get(k)
+                                        for k in ("ok", "tensors")}
+    print(f"\nGET /stitch/status\n  {json.dumps(compact)}")
+    print("GET /metrics | grep ^stitch_  (histogram buckets and _created left out)")
+    for line in engine.http.get("/metrics").text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name.startswith("stitch_") and not name.endswith(("_bucket", "_created")):
+            print(f"  {line}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--versions", type=int, default=6, help="versions to publish after v0")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--vllm-python", type=Path, default=None,
+                    help="python of the vLLM venv (default: $STITCH_VLLM_VENV or .venv-vllm)")
+    a = ap.parse_args()
+    install_sigterm()
+    engine_demo(a.out or Path(tempfile.mkdtemp(prefix="stitch-demo-vllm-")), a.versions, a.lr,
+                a.vllm_python)
+
+
+def install_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the servers are stopped."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # the servers are stopped by now
+        sys.exit(130)

@@ -319,7 +319,6 @@ class Coordinator:
                     await self.rpc("undo", {"id": aid})
                     raise
                 write_s = time.perf_counter() - t_w
-                await self.rpc("commit", {"id": aid})
                 self.fps = dict(m.fingerprints)
                 self.fallback.update(fb_new)
                 handle.commit(m.patch_bytes)
@@ -327,6 +326,7 @@ class Coordinator:
                 if self.pause is not None and self.resume is not None:
                     await self.resume()
             pause_s = time.perf_counter() - t0
+        await self.rpc("commit", {"id": aid})  # drops the ranks' undo logs; outside the pause
         self._set_version(m.version)
         if self.after_apply is not None:
             try:

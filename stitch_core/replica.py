@@ -6,10 +6,12 @@ worker, an SGLang TP process). It never decodes a patch: the node's coordinator
 
 1. `gather(id, positions)`: HF flat positions per tensor. The rank maps them through its layout
    (`stitch_core.layout`), remembers where they live, and returns the old bits of those it holds.
-2. `write(id, values)`: new bits per tensor, in the same order. The rank checks nothing moved since
-   the gather, writes in place, reads back, and returns per tensor the fingerprint delta
-   sum h(i, new) - h(i, old) over *every copy it holds* (a replicated norm counts once per rank).
-   Any error undoes the rank's writes before the call returns.
+2. `write(id, values)`: new bits per tensor, in the same order. The rank writes in place, reads
+   back, and returns per tensor the fingerprint delta sum h(i, read back) - h(i, old) over *every
+   copy it holds* (a replicated norm counts once per rank): the coordinator's check of the summed
+   deltas proves what is in memory now, not what was meant to be written. Any error undoes the
+   rank's writes before the call returns. (Between gather and write nothing else writes: the
+   coordinator holds its lock and engine steps are held.)
 3. `commit(id)` or `undo(id)`.
 
 `sums()` recomputes the same per-copy sums over the whole model (start-up check, `verify`); an
@@ -184,16 +186,23 @@ class RankReplica:
                 ok, eng = seg.locate(pos)
                 if not eng.numel():
                     continue
-                sel = ok.nonzero().squeeze(1)
                 p = params[seg.param]
                 eng_d = eng.to(p.device)
                 old = p.data.reshape(-1)[eng_d]
-                bits = _hf_bits(old, tm.hf_dtype).cpu()
-                first = ~held[sel]
-                old_bits[sel[first]] = bits[first]
-                held[sel] = True
-                plan.append((seg.param, eng_d, sel, pos[sel], old, bits))
-            self._plan[name] = plan
+                bits_d = _hf_bits(old, tm.hf_dtype)
+                bits = bits_d.cpu()
+                if eng.numel() == pos.numel():  # this segment holds every position (TP=1)
+                    sel, hpos = None, pos
+                    old_bits[~held] = bits[~held]
+                    held[:] = True
+                else:
+                    sel = ok.nonzero().squeeze(1)
+                    hpos = pos[sel]
+                    first = ~held[sel]
+                    old_bits[sel[first]] = bits[first]
+                    held[sel] = True
+                plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
+            self._plan[name] = (pos.numel(), plan)
             all_held = bool(held.all())
             idx = None if all_held else held.nonzero().squeeze(1).numpy().tobytes()
             out[name] = (idx, old_bits[held].numpy().tobytes())
@@ -214,30 +223,29 @@ class RankReplica:
                 tm = layout.tensors[name]
                 hf = dtypes.info(tm.hf_dtype)
                 new_all = torch.frombuffer(bytearray(vb), dtype=hf.int_dtype)
-                plan = self._plan.get(name)
-                if plan is None:
+                if name not in self._plan:
                     raise ReplicaError(f"{name}: values for a tensor that was not gathered")
+                n, plan = self._plan[name]
+                if new_all.numel() != n:
+                    raise ReplicaError(f"{name}: {new_all.numel()} values for {n} positions")
                 d = 0
                 for pname, eng, sel, hpos, old, old_bits in plan:
-                    if sel.numel() and int(sel.max()) >= new_all.numel():
-                        raise ReplicaError(f"{name}: {new_all.numel()} values, fewer than gathered")
                     flat = params[pname].data.reshape(-1)
                     iv = dtypes.info(flat.dtype).int_dtype
-                    if not torch.equal(flat[eng].view(iv), old.view(iv)):
-                        raise ReplicaError(f"{pname}: changed between gather and write")
-                    new_bits = new_all[sel]
-                    new_vals = new_bits.to(eng.device).view(tm.hf_dtype)
+                    new_bits = (new_all if sel is None else new_all[sel]).to(eng.device)
+                    new_vals = new_bits.view(tm.hf_dtype)
                     undo.append((flat, eng, old))
                     dirty.add(pname)
                     if flat.dtype == tm.hf_dtype:
                         flat.view(iv).index_put_((eng,), new_vals.view(iv))
                     else:  # the engine keeps a wider dtype (e.g. fp32 bias): exact conversion
                         flat.index_put_((eng,), new_vals.to(flat.dtype))
-                    back = _hf_bits(flat[eng], tm.hf_dtype).cpu()
-                    if not torch.equal(back, new_bits):
-                        raise ReplicaError(f"{pname}: read-back differs from the written bits")
-                    d += (fpr.sum_at(name, hpos, new_bits, hf.itemsize)
-                          - fpr.sum_at(name, hpos, old_bits, hf.itemsize))
+                    # hash what is *there now*: the coordinator's check of the summed deltas is
+                    # the read-back proof (a lost or wrong write changes the sum)
+                    back = flat[eng]
+                    extra = _INEXACT * _inexact(back, tm.hf_dtype)
+                    d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
+                          - fpr.sum_at(name, hpos, old_bits, hf.itemsize) + extra)
                 deltas[name] = d & fpr.MASK64
             if dirty:
                 self.on_dirty(dirty)

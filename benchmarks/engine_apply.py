@@ -1,0 +1,766 @@
+#!/usr/bin/env python3
+"""Engine apply benchmark: the pause of an in-place apply in a real vLLM engine, and
+publish -> serving latency through the real OpenAI server with the Stitch plugin.
+
+Targets (from the issue; benchmarks, not tests):
+
+A. Engine pause per apply scales with the patch, not the model: per applied version, the rank's
+   write call (the engine pause) vs a bare ``index_put_`` of the same elements at the same engine
+   positions of the same tensors (``RankReplica.baseline``), goal <= 5x; a fit pause = a + b *
+   changed per model size (tiny test model, ~10x, ~55x); the engine's own full reload of the same
+   model as the model-size reference. On the CPU the write also re-packs every linear layer it
+   touched when vLLM packed it (oneDNN/AMX hosts); that part is timed separately (GPUs do not
+   pay it).
+B. Publish -> engine serving the new version on loopback <= 2 s for the test model: a trainer
+   (transformers, AdamW, random tokens) publishes to a local board + a real nats-server; a real
+   ``vllm.entrypoints.openai.api_server`` with ``--worker-extension-cls``/``--middleware`` follows.
+   Timed from just before ``publish()`` (and from its return) until ``/stitch/status`` shows the
+   version (polled every 10 ms). Baseline, same run and weights: a full snapshot of the same
+   model state published to a second board, then ``stitch pull`` of it into a fresh directory
+   with a fresh cache: the full-checkpoint path up to where the engine would reload (the
+   engine's own reload of this model is measured in A).
+
+Process layout (vLLM 0.32 CPU cannot start an engine in a process that imported numba): this
+driver trains, publishes and pulls; every engine runs in a child process (A: this script in
+``--engine-job`` mode with an in-process engine created before anything imports numba; B: the
+OpenAI server).
+
+    /work/vllm-venv/bin/python benchmarks/engine_apply.py --quick     # ~2-3 min: tiny, B short
+    /work/vllm-venv/bin/python benchmarks/engine_apply.py             # ~3.5-5 min: 3 sizes
+    /work/vllm-venv/bin/python benchmarks/engine_apply.py --json out.json --md out.md
+"""
+
+from __future__ import annotations
+
+# Only the standard library at module level: the --engine-job child must create its engine before
+# anything imports numba (stitch_core's codec / fingerprint).
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXT = "stitch_vllm.worker.StitchWorkerExtension"
+
+# name -> build_tiny_model overrides (qwen2; head_dim 32/64 for vLLM's CPU attention)
+SIZES = {
+    "tiny": {},  # the test model: hidden 128, 2 layers, vocab 500 (~0.42M params)
+    "10x": {"hidden_size": 256, "num_layers": 4, "intermediate_size": 768, "vocab_size": 2000},
+    # ~55x the test model (23M params)
+    "50x": {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4,
+            "intermediate_size": 1536, "vocab_size": 4000},
+}
+
+
+def _engine_env(**stitch: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    for k, v in stitch.items():
+        env[f"STITCH_{k.upper()}"] = str(v)
+    return env
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None or s != s else f"{1e3 * s:.1f}"
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _fit(xs, ys) -> tuple[float, float]:
+    """Least squares y = a + b x (nan when x does not vary)."""
+    n = len(xs)
+    if n < 2:
+        return float("nan"), float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if not sxx:
+        return float("nan"), float("nan")
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+# =========================================================================== A: engine child
+
+
+def engine_job(job_path: str) -> None:
+    """Child process: an in-process vLLM engine driven by a Coordinator through collective_rpc."""
+    job = json.loads(Path(job_path).read_text())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in this process
+    os.environ.update({k: v for k, v in _engine_env().items() if k.startswith(("VLLM_", "TOK"))})
+    from vllm import LLM  # the engine first: nothing has imported numba yet
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model_dir"], dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              seed=0, max_num_seqs=4, worker_extension_cls=EXT, disable_log_stats=True)
+    engine_start_s = time.perf_counter() - t0
+
+    import gc
+    import pickle
+
+    import stitch_core.replica as replica_mod
+    from stitch_core.board import LocalBoard
+    from stitch_core.coordinator import Coordinator
+    from stitch_core.versions import fetch_object, fetch_patch, read_manifest
+
+    rpc_s: dict[str, float] = {}
+
+    async def rpc(method: str, payload: dict) -> list[dict]:
+        t = time.perf_counter()
+        out = [pickle.loads(r) for r in
+               llm.collective_rpc("stitch_call", args=(method, pickle.dumps(payload)))]
+        rpc_s[method] = time.perf_counter() - t
+        return out
+
+    worker = llm.collective_rpc(lambda w: getattr(w, "worker", w))[0]
+
+    # instrumentation (this process only, no stitch_core edits): time the re-pack hook and the
+    # fingerprint-delta calls the rank's write makes
+    class _TimedFpr:
+        def __init__(self, mod):
+            self._mod, self.seconds = mod, 0.0
+
+        def __getattr__(self, name):
+            return getattr(self._mod, name)
+
+        def sum_at(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return self._mod.sum_at(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+    timed_fpr = _TimedFpr(replica_mod.fpr)
+    replica_mod.fpr = timed_fpr
+    repack = {"seconds": 0.0, "layers": 0, "dirty": 0}
+
+    board = LocalBoard(job["board"])
+    cache = Path(job["cache"])
+    rows: list[dict] = []
+    reloads: list[dict] = []
+
+    async def go() -> dict:
+        runs = job["runs"]
+        coord = Coordinator(rpc, run=runs[0]["run"])
+        t = time.perf_counter()
+        await coord.start(job["model_dir"])
+        start_s = time.perf_counter() - t
+        rep = worker._stitch_replica()
+        on_dirty = rep.on_dirty
+
+        def timed_dirty(dirty):
+            t = time.perf_counter()
+            out = on_dirty(dirty)
+            repack["seconds"] += time.perf_counter() - t
+            repack["layers"] += len(out or ())
+            repack["dirty"] += len(dirty)
+            return out
+
+        rep.on_dirty = timed_dirty
+        for i, r in enumerate(runs):
+            if i:  # back to this run's v0 through the engine's own loader: the full-reload cost
+                m0 = await read_manifest(board, r["run"], 0)
+                snap = None
+                for ref in m0.weights:
+                    snap = (await fetch_object(board, m0, ref, cache)).parent
+                coord.run = r["run"]
+                repack.update(seconds=0.0, layers=0, dirty=0)
+                gc.collect()
+                t = time.perf_counter()
+                await coord.load_snapshot(m0, snap)
+                reloads.append({"run": r["run"], "seconds": time.perf_counter() - t,
+                                "load_files_s": rpc_s.get("load_files"),
+                                "sums_s": rpc_s.get("sums"), "repack_s": repack["seconds"],
+                                "repacked_layers": repack["layers"]})
+            for v in range(1, r["versions"] + 1):
+                m = await read_manifest(board, r["run"], v)
+                paths = await fetch_patch(board, m, cache)
+                gc.collect()  # outside the timers: no collection lands in one apply by chance
+                repack.update(seconds=0.0, layers=0, dirty=0)
+                timed_fpr.seconds = 0.0
+                st = await coord.apply_patch(m, paths)
+                fp_s = timed_fpr.seconds
+                base = (await rpc("baseline", {"repeat": 5}))[0]
+                gather_bare = _bare_gather(rep)
+                rows.append({
+                    "run": r["run"], "lr": r["lr"], "version": v, "changed": st["changed"],
+                    "total_elements": m.total_elements, "patch_bytes": st["patch_bytes"],
+                    "gather_s": st["gather_s"], "gather_rank_s": st["gather_rank_s"],
+                    "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
+                    "pause_s": st["pause_s"], "total_s": st["total_s"],
+                    "repack_s": repack["seconds"], "repacked_layers": repack["layers"],
+                    "dirty_params": repack["dirty"], "fp_delta_s": fp_s,
+                    "index_put_s": base["index_put_s"], "index_put_elements": base["elements"],
+                    "bare_gather_s": gather_bare, "tensors": len(rep._last_write),
+                    "cold": i == 0 and v == 1,
+                })
+        t = time.perf_counter()
+        check = await coord.verify()
+        verify_s = time.perf_counter() - t
+        if not check["ok"]:
+            raise SystemExit(f"final full check failed: {check}")
+        mods = list(rep.model.modules())
+        return {"start_s": start_s, "verify_s": verify_s, "version": coord.version,
+                "packed_layers": sum(bool(getattr(m, "_stitch_cpu_packed", False)) for m in mods),
+                "linear_layers": sum(hasattr(m, "cpu_linear") for m in mods),
+                "fallback": sorted(coord.fallback), "setup_rank": rpc_s.get("setup")}
+
+    def _bare_gather(rep) -> float:
+        """Best of 5: a bare `flat[eng]` of the last write's positions (one indexed read)."""
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for flat, eng in rep._last_write:
+                flat[eng]
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    info = asyncio.run(go())
+    n_params = sum(p.numel() for p in worker._stitch_replica()._params().values())
+    Path(job["out"]).write_text(json.dumps({
+        "rows": rows, "reloads": reloads, "engine_start_s": engine_start_s,
+        "engine_params": n_params, **info}))
+    os._exit(0)  # skip vLLM's slow interpreter teardown
+
+
+# =========================================================================== driver: trainer
+
+
+class Trainer:
+    """A real HF model trained by transformers with AdamW on random tokens, publishing."""
+
+    def __init__(self, model_dir: Path, board: Path, run: str, lr: float, nats: str | None,
+                 seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from stitch_trainer import Publisher
+
+        torch.manual_seed(seed)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        self.g = torch.Generator().manual_seed(seed + 1)
+        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
+        self.step = 0
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def train_step(self) -> None:
+        x = self.torch.randint(0, self.model.config.vocab_size, (4, 32), generator=self.g)
+        loss = self.model(input_ids=x, labels=x).loss
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.step += 1
+
+    def publish(self):
+        return self.pub.publish(self.step, self.model)
+
+
+def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: int) -> dict:
+    """Build the model, publish v0..vN for each lr (one run per lr, same v0), pull v0."""
+    from stitch_core.board import LocalBoard
+    from stitch_core.cli_versions import pull
+    from stitch_vllm.testmodel import build_tiny_model
+
+    d = work / size
+    model_dir = build_tiny_model(d / "model", arch="qwen2", **cfg)
+    board = d / "board"
+    runs = []
+    t0 = time.perf_counter()
+    for i, lr in enumerate(lrs):
+        run = f"{size}-lr{lr:.0e}".replace("+", "").replace(".", "p")
+        tr = Trainer(model_dir, board, run, lr, None)
+        tr.publish().result()
+        n = versions + (i == 0)  # the first apply in the engine process is cold (numba JIT)
+        for _ in range(n):
+            tr.train_step()
+            tr.publish()
+        tr.pub.close()
+        runs.append({"run": run, "lr": lr, "versions": n})
+    publish_s = time.perf_counter() - t0
+    asyncio.run(pull(LocalBoard(board), runs[0]["run"], 0, d / "v0", d / "pull-cache",
+                     quiet=True))
+    return {"model_dir": str(d / "v0"), "board": str(board), "cache": str(d / "engine-cache"),
+            "runs": runs, "out": str(d / "engine.json"), "prep_s": publish_s}
+
+
+def run_engine_job(job: dict, log: Path, timeout: float) -> dict:
+    jp = Path(job["out"]).with_suffix(".job.json")
+    jp.write_text(json.dumps(job))
+    with open(log, "wb") as f:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine-job",
+                            str(jp)], stdout=f, stderr=subprocess.STDOUT, env=_engine_env(),
+                           timeout=timeout, cwd=ROOT)
+    if p.returncode != 0 or not Path(job["out"]).exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise SystemExit(f"engine job failed ({p.returncode}); log {log}:\n{tail}")
+    return json.loads(Path(job["out"]).read_text())
+
+
+# =========================================================================== B: server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
+    middleware, as in tests/vllm/engines.py (TP=1, CPU)."""
+
+    def __init__(self, model_dir: Path, log: Path, **stitch: str):
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model_dir), "--dtype", "bfloat16", "--max-model-len", "256",
+               "--enforce-eager", "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
+               "--generation-config", "vllm", "--worker-extension-cls", EXT,
+               "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        env = _engine_env(**stitch)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.log = log
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def status(self) -> dict | None:
+        import httpx
+
+        try:
+            r = self.http.get("/stitch/status", timeout=5)
+            return r.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait_version(self, v: int, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vLLM server exited ({self.proc.returncode}); log {self.log}")
+            st = self.status()
+            if st and st.get("version") == v and st.get("state") == "serving":
+                return st
+            time.sleep(0.2)
+        raise SystemExit(f"server not at v{v} after {timeout:.0f} s; log {self.log}")
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._logf.close()
+
+
+def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float) -> dict:
+    from stitch_core.board import LocalBoard
+    from stitch_core.cli_versions import pull
+    from stitch_core.natsserver import NatsServer
+    from stitch_trainer import Publisher
+    from stitch_vllm.testmodel import build_tiny_model
+
+    d = work / "serve"
+    model_dir = build_tiny_model(d / "model", arch="qwen2")
+    board, snap_board = d / "board", d / "snapshot-board"
+    run = "serve"
+    rows, warm = [], None
+    with NatsServer(store_dir=d / "nats", port=None) as ns:
+        tr = Trainer(model_dir, board, run, lrs[0], ns.url)
+        tr.publish().result()
+        asyncio.run(pull(LocalBoard(board), run, 0, d / "v0", d / "pull-cache", quiet=True))
+        t = time.perf_counter()
+        server = Server(d / "v0", d / "server.log", board=str(board), nats_url=ns.url, run=run,
+                        cache_dir=str(d / "engine-cache"), reconcile_interval="5")
+        try:
+            server.wait_version(0, timeout=600)
+            server_start_s = time.perf_counter() - t
+            plan = [None] + [lr for lr in lrs for _ in range(per_lr)]  # first: warm-up (cold)
+            for lr in plan:
+                tr.set_lr(lr if lr is not None else lrs[0])
+                tr.train_step()  # outside every timer
+                time.sleep(0.3)
+                stamp: dict[str, float] = {}
+                t0 = time.perf_counter()
+                info = tr.publish()
+                t_ret = time.perf_counter()
+                info._future.add_done_callback(  # when the manifest is on the board + announced
+                    lambda _f, s=stamp: s.setdefault("board", time.perf_counter()))
+                v = info.version
+                while True:
+                    st = server.status()
+                    sv = st.get("version") if st else None
+                    if sv is not None and sv >= v and st.get("state") == "serving":
+                        t_serve = time.perf_counter()
+                        break
+                    if server.proc.poll() is not None or time.perf_counter() - t0 > 120:
+                        raise SystemExit(f"v{v} not served; log {server.log}")
+                    time.sleep(poll)
+                m = info.result(60)
+                for _ in range(500):  # last_apply is set just after the version becomes visible
+                    st = server.status() or {}
+                    if (st.get("last_apply") or {}).get("version") == v:
+                        break
+                    time.sleep(0.01)
+                la = st.get("last_apply") or {}
+                # baseline, same weights: a full snapshot published by a fresh Publisher (no
+                # base: snapshot only, no patch encode) to a second board, then `stitch pull`
+                # of it into a fresh directory with a fresh cache
+                snap_pub = Publisher(str(snap_board), run, "bf16", config_dir=model_dir)
+                tp = time.perf_counter()
+                ms = snap_pub.publish(tr.step, tr.model).result(120)
+                snap_publish_s = time.perf_counter() - tp
+                snap_pub.close()
+                assert ms.kind == "snapshot" and ms.fingerprints == m.fingerprints
+                pd, pc = d / f"pull-{v}", d / f"pull-cache-{v}"
+                tp = time.perf_counter()
+                asyncio.run(pull(LocalBoard(snap_board), run, ms.version, pd, pc, quiet=True))
+                pull_s = time.perf_counter() - tp
+                shutil.rmtree(pd, ignore_errors=True)
+                shutil.rmtree(pc, ignore_errors=True)
+                row = {"version": v, "lr": lr, "changed": m.changed_elements,
+                       "total_elements": m.total_elements, "patch_bytes": m.patch_bytes,
+                       "publish_call_s": t_ret - t0,
+                       "board_s": stamp.get("board", float("nan")) - t0,
+                       "serve_s": t_serve - t0, "serve_after_return_s": t_serve - t_ret,
+                       "apply_total_s": la.get("total_s"), "gather_s": la.get("gather_s"),
+                       "write_s": la.get("write_s"), "pause_s": la.get("pause_s"),
+                       "write_rank_s": la.get("write_rank_s"),
+                       "gather_rank_s": la.get("gather_rank_s"),
+                       "gate_apply_s": st.get("last_apply_seconds"),
+                       "snapshot_publish_s": snap_publish_s, "pull_s": pull_s,
+                       "baseline_s": snap_publish_s + pull_s}
+                if lr is None:
+                    warm = row
+                else:
+                    rows.append(row)
+            final = server.status() or {}
+        finally:
+            server.stop()
+            tr.pub.close()
+    return {"rows": rows, "warmup": warm, "server_start_s": server_start_s,
+            "params": rows[0]["total_elements"] if rows else None,
+            "final_check": final.get("fingerprint_check"), "final_version": final.get("version")}
+
+
+# =========================================================================== report
+
+
+def report_a(sizes: dict[str, dict]) -> tuple[list[str], dict]:
+    out = ["### A. In-place apply in an in-process vLLM engine (TP=1, CPU), per applied version",
+           "",
+           "| model | lr | v | changed | changed % | patch KB | gather ms | **rank write ms** | "
+           "of which re-pack ms (layers) | fp-delta ms | rest ms | **bare index_put_ ms** | "
+           "bare gather ms | **write / index_put_** | (write - re-pack) / index_put_ | "
+           "ns per changed elem (write - re-pack) | coordinator pause ms | apply total ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary: dict = {}
+    for size, res in sizes.items():
+        n = res["rows"][0]["total_elements"] if res["rows"] else 0
+        for r in res["rows"]:
+            w, rp, fp, ip = r["write_rank_s"], r["repack_s"], r["fp_delta_s"], r["index_put_s"]
+            r["ratio"] = w / ip if ip else float("nan")
+            r["ratio_norepack"] = (w - rp) / ip if ip else float("nan")
+            r["ns_per_elem"] = 1e9 * (w - rp) / max(1, r["changed"])
+            tag = " (cold: first apply, JIT)" if r.get("cold") else ""
+            out.append(
+                f"| {size} ({n / 1e6:.2f}M) | {r['lr']:.0e} | {r['version']}{tag} | "
+                f"{r['changed']:,} | {100 * r['changed'] / r['total_elements']:.3f} | "
+                f"{r['patch_bytes'] / 1e3:.1f} | {_ms(r['gather_s'])} | **{_ms(w)}** | "
+                f"{_ms(rp)} ({r['repacked_layers']}) | {_ms(fp)} | {_ms(w - rp - fp)} | "
+                f"**{_ms(ip)}** | {_ms(r.get('bare_gather_s'))} | **{r['ratio']:.1f}** | "
+                f"{r['ratio_norepack']:.1f} | {r['ns_per_elem']:.0f} | {_ms(r['pause_s'])} | "
+                f"{_ms(r['total_s'])} |")
+        rows = [r for r in res["rows"] if not r.get("cold")]
+        rl = res["reloads"]
+        # a + b * changed, fitted through the per-lr medians (one spike cannot tilt it)
+        lr_set = sorted({r["lr"] for r in rows})
+        by_lr = [[r for r in rows if r["lr"] == lr] for lr in lr_set]
+        xs = [_med([r["changed"] for r in g]) for g in by_lr]
+        fixed, per_elem = _fit(xs, [_med([r["write_rank_s"] - r["repack_s"] for r in g])
+                                    for g in by_lr])
+        ip_fixed, ip_per_elem = _fit(xs, [_med([r["index_put_s"] for r in g]) for g in by_lr])
+        summary[size] = {
+            "fit_fixed_s": fixed, "fit_ns_per_elem": per_elem,
+            "index_put_fit_fixed_s": ip_fixed, "index_put_fit_ns_per_elem": ip_per_elem,
+            "tensors": max((r.get("tensors", 0) for r in rows), default=0),
+            "params": n,
+            "packed_layers": res.get("packed_layers"), "linear_layers": res.get("linear_layers"),
+            "median_ratio": _med([r["ratio"] for r in rows]),
+            "max_ratio": max((r["ratio"] for r in rows), default=None),
+            "median_ratio_norepack": _med([r["ratio_norepack"] for r in rows]),
+            "median_write_s": _med([r["write_rank_s"] for r in rows]),
+            "median_repack_s": _med([r["repack_s"] for r in rows]),
+            "repack_share": (sum(r["repack_s"] for r in rows)
+                             / max(1e-12, sum(r["write_rank_s"] for r in rows))),
+            "ns_per_elem_by_lr": {f"{lr:.0e}": _med([r["ns_per_elem"] for r in rows
+                                                     if r["lr"] == lr])
+                                  for lr in sorted({r["lr"] for r in rows})},
+            "write_ms_by_lr": {f"{lr:.0e}": 1e3 * _med([r["write_rank_s"] for r in rows
+                                                        if r["lr"] == lr])
+                               for lr in sorted({r["lr"] for r in rows})},
+            "reload_s": min((x["seconds"] for x in rl), default=None),
+            "reload_load_files_s": min((x["load_files_s"] or 0 for x in rl), default=None),
+            "reload_repack_s": min((x["repack_s"] for x in rl), default=None),
+            "verify_s": res["verify_s"], "engine_start_s": res["engine_start_s"],
+        }
+    out += ["", "Per model (cold first apply excluded):", "",
+            "| model | params | tensors written | packed linear layers | median write / "
+            "index_put_ (max) | median (write - re-pack) / index_put_ | re-pack share of write | "
+            "median rank write ms by lr | write - re-pack = a + b * changed (fit to the per-lr "
+            "medians): a ms, b ns/elem | "
+            "same fit for bare index_put_ | full reload via the engine's loader ms "
+            "(+ full sums) | full fingerprint check ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size, s in summary.items():
+        wl = ", ".join(f"{lr}: {v:.1f}" for lr, v in s["write_ms_by_lr"].items())
+        out.append(
+            f"| {size} | {s['params'] / 1e6:.2f}M | {s['tensors']} | {s['packed_layers']} of "
+            f"{s['linear_layers']} | {s['median_ratio']:.1f} ({s['max_ratio']:.1f}) | "
+            f"{s['median_ratio_norepack']:.1f} | {100 * s['repack_share']:.0f}% | {wl} | "
+            f"a={_ms(s['fit_fixed_s'])}, b={1e9 * s['fit_ns_per_elem']:.0f} | "
+            f"a={_ms(s['index_put_fit_fixed_s'])}, b={1e9 * s['index_put_fit_ns_per_elem']:.0f} "
+            f"| {_ms(s['reload_load_files_s'])} ({_ms(s['reload_s'])}) | {_ms(s['verify_s'])} |")
+    return out, summary
+
+
+def report_b(res: dict) -> tuple[list[str], dict]:
+    rows = res["rows"]
+    out = ["### B. Publish -> serving on loopback (real nats-server, OpenAI server + plugin, "
+           "test model)", "",
+           "| v | lr | changed % | patch KB | publish() returns ms | on board + announced ms | "
+           "**serving ms** | serving after publish() returned ms | engine apply ms | "
+           "gather ms (on the rank) | write = pause ms (rank write) | decode + verify ms | "
+           "notify + fetch + poll ms | baseline: full snapshot publish -> on board ms | "
+           "+ stitch pull ms | **baseline total ms** |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def line(r, tag=""):
+        app = r["apply_total_s"] or float("nan")
+        rest = r["serve_s"] - r["board_s"] - app if r["board_s"] == r["board_s"] else None
+        lr = "-" if r["lr"] is None else f"{r['lr']:.0e}"
+        return (f"| {r['version']}{tag} | {lr} | "
+                f"{100 * (r['changed'] or 0) / r['total_elements']:.2f} | "
+                f"{(r['patch_bytes'] or 0) / 1e3:.1f} | {_ms(r['publish_call_s'])} | "
+                f"{_ms(r['board_s'])} | **{_ms(r['serve_s'])}** | "
+                f"{_ms(r['serve_after_return_s'])} | {_ms(app)} | {_ms(r['gather_s'])} "
+                f"({_ms(r.get('gather_rank_s'))}) | {_ms(r['pause_s'])} "
+                f"({_ms(r['write_rank_s'])}) | "
+                f"{_ms(app - (r['gather_s'] or 0) - (r['pause_s'] or 0))} | "
+                f"{_ms(rest)} | {_ms(r['snapshot_publish_s'])} | "
+                f"{_ms(r['pull_s'])} | **{_ms(r['baseline_s'])}** |")
+
+    if res["warmup"]:
+        out.append(line(res["warmup"], " (warm-up, not in the summary)"))
+    out += [line(r) for r in rows]
+    serve = [r["serve_s"] for r in rows]
+    after = [r["serve_after_return_s"] for r in rows]
+    baselines = [r["baseline_s"] for r in rows]
+    s = {"median_serve_s": _med(serve), "max_serve_s": max(serve) if serve else None,
+         "median_after_return_s": _med(after), "max_after_return_s": max(after) if after else None,
+         "median_baseline_s": _med(baselines),
+         "median_apply_s": _med([r["apply_total_s"] for r in rows]),
+         "median_board_s": _med([r["board_s"] for r in rows]),
+         "warmup_serve_s": res["warmup"]["serve_s"] if res["warmup"] else None,
+         "server_start_s": res["server_start_s"]}
+    out += ["", f"publish -> serving: median {_ms(s['median_serve_s'])} ms, max "
+            f"{_ms(s['max_serve_s'])} ms (target <= 2000 ms); from publish() returning: median "
+            f"{_ms(s['median_after_return_s'])} ms, max {_ms(s['max_after_return_s'])} ms. "
+            f"Baseline (same weights as a full snapshot: publish -> on board + `stitch pull`, "
+            f"before any engine reload): median {_ms(s['median_baseline_s'])} ms. First version "
+            f"after start-up (cold: first imports + numba cache load in the server, first patch "
+            f"encode in the trainer): {_ms(s['warmup_serve_s'])} ms. Final fingerprint check: "
+            f"{(res.get('final_check') or {}).get('ok')} at v{res.get('final_version')}."]
+    return out, s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="small run (~2-3 min): the test model only, 2 lrs, short B")
+    ap.add_argument("--sizes", default=None, help=f"comma list of {list(SIZES)}")
+    ap.add_argument("--lrs", default=None, help="A: AdamW learning rates, one run each")
+    ap.add_argument("--versions", type=int, default=None, help="A: versions per learning rate")
+    ap.add_argument("--serve-lrs", default="1e-5,1e-4", help="B: learning rates, in turn")
+    ap.add_argument("--serve-versions", type=int, default=None, help="B: versions per lr")
+    ap.add_argument("--poll", type=float, default=0.01, help="B: status poll interval (s)")
+    ap.add_argument("--omp-wait-policy", default="PASSIVE",
+                    help="OMP_WAIT_POLICY for every process ('' leaves libgomp's spinning "
+                         "default; see the notes)")
+    ap.add_argument("--skip-a", action="store_true")
+    ap.add_argument("--skip-b", action="store_true")
+    ap.add_argument("--json", help="write all measurements as JSON here")
+    ap.add_argument("--md", default=str(ROOT / "benchmarks/results/engine_apply.md"),
+                    help="markdown report ('' for none)")
+    ap.add_argument("--md-append", action="store_true",
+                    help="append this run to the markdown report as an additional run")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--engine-job", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.engine_job:
+        engine_job(a.engine_job)
+        return
+    sizes = (a.sizes or ("tiny" if a.quick else "tiny,10x,50x")).split(",")
+    lrs = [float(x) for x in (a.lrs or ("1e-5,1e-4" if a.quick else "1e-6,1e-5,1e-4")).split(",")]
+    versions = a.versions or (2 if a.quick else 3)
+    serve_versions = a.serve_versions or (2 if a.quick else 5)
+    serve_lrs = [float(x) for x in a.serve_lrs.split(",")]
+
+    if a.omp_wait_policy:  # before torch starts its OpenMP runtime; children inherit it
+        os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy
+    else:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    t_all = time.perf_counter()
+    cmd = "$ " + shlex.join([Path(sys.executable).as_posix(), "benchmarks/engine_apply.py",
+                             *sys.argv[1:]])
+    load0 = os.getloadavg()
+    import torch
+    import vllm
+
+    machine = (f"{platform.machine()} {os.cpu_count()} CPUs, no GPU, torch {torch.__version__}, "
+               f"vLLM {vllm.__version__} (CPU backend), OMP_WAIT_POLICY="
+               f"{a.omp_wait_policy or '(unset)'}, load average at start {load0[0]:.2f}")
+    print(cmd)
+    print(machine, flush=True)
+    work = Path(tempfile.mkdtemp(prefix="stitch-engine-bench-"))
+    res: dict = {"command": cmd, "machine": machine, "A": {}, "B": None}
+    lines: list[str] = []
+    summary: dict = {}
+    try:
+        if not a.skip_a:
+            for size in sizes:
+                t = time.perf_counter()
+                job = prepare_size(work, size, SIZES[size], lrs, versions)
+                print(f"A/{size}: trained + published {len(lrs)} x {versions} versions in "
+                      f"{job['prep_s']:.1f} s; starting the engine", flush=True)
+                r = run_engine_job(job, work / f"engine-{size}.log", timeout=900)
+                r["prep_s"] = job["prep_s"]
+                res["A"][size] = r
+                print(f"A/{size}: done in {time.perf_counter() - t:.1f} s (engine start "
+                      f"{r['engine_start_s']:.1f} s)", flush=True)
+            la, summary["A"] = report_a(res["A"])
+            lines += la + [""]
+        if not a.skip_b:
+            t = time.perf_counter()
+            res["B"] = serve_latency(work, serve_lrs, serve_versions, a.poll)
+            print(f"B: done in {time.perf_counter() - t:.1f} s (server start "
+                  f"{res['B']['server_start_s']:.1f} s)", flush=True)
+            lb, summary["B"] = report_b(res["B"])
+            lines += lb + [""]
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"work directory kept: {work}")
+    total = time.perf_counter() - t_all
+    load1 = os.getloadavg()
+    res["summary"], res["total_s"] = summary, total
+    verdict = []
+    if "A" in summary:
+        for size, s in summary["A"].items():
+            verdict.append(
+                f"* A/{size}: rank write / bare index_put_ median {s['median_ratio']:.1f}x "
+                f"({'meets' if s['median_ratio'] <= 5 else 'misses'} <= 5x); without the CPU "
+                f"re-pack {s['median_ratio_norepack']:.1f}x "
+                f"({'meets' if s['median_ratio_norepack'] <= 5 else 'misses'} <= 5x); re-pack is "
+                f"{100 * s['repack_share']:.0f}% of the write.")
+    if "B" in summary:
+        s = summary["B"]
+        verdict.append(f"* B: publish -> serving median {_ms(s['median_serve_s'])} ms, max "
+                       f"{_ms(s['max_serve_s'])} ms "
+                       f"({'meets' if (s['max_serve_s'] or 9) <= 2 else 'misses'} <= 2 s).")
+    print()
+    print("\n".join(lines + verdict))
+    print(f"\ntotal {total:.0f} s, load average at end {load1[0]:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    if a.md:
+        run_md = ["```", cmd, "```", "",
+                  f"Machine: {machine}; load average at end {load1[0]:.2f}; total run "
+                  f"{total:.0f} s. A shared 2-core box: absolute times are noise, compare each "
+                  "number with its baseline in the same row.", ""]
+        p = Path(a.md)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if a.md_append and p.exists():
+            md = [p.read_text().rstrip("\n"), "", "## Additional run", "", *run_md, *verdict,
+                  "", *[ln.replace("### ", "#### ", 1) for ln in lines]]
+        else:
+            md = ["# Engine apply: pause vs patch size, publish -> serving", "",
+                  "Generated by `benchmarks/engine_apply.py` (read its docstring for the method).",
+                  "", *run_md, "## Verdict", "", *verdict, "", "## Results", "", *lines, NOTES]
+        p.write_text("\n".join(md) + "\n")
+        print(f"wrote {a.md}")
+
+
+NOTES = """## How to read it
+
+* **A, columns.** *rank write*: `RankReplica.write` on the rank (the engine pause, as reported in
+  the apply stats `write_rank_s`): index_put_ of the new bits, read-back and compare, fingerprint
+  delta, then the `on_dirty` hook. *re-pack*: that hook, timed in the engine process by wrapping
+  it; on vLLM's CPU backend it re-runs the CPU GEMM dispatch (weight packing) for every linear
+  layer the patch touched, so it scales with the size of the touched layers, not with the changed
+  elements; GPUs do not pay it. *fp-delta*: the `fingerprint.sum_at` calls of the write (timed by
+  wrapping the module attribute in that process). *rest*: the remainder (index_put_, the
+  read-back compare, the gather-time check that nothing moved, per-tensor Python overhead).
+  *bare index_put_*: `RankReplica.baseline` (dispatch `baseline`, best of 5): the same elements,
+  engine positions and tensors, in the same process, right after the apply. *coordinator pause*:
+  what the Coordinator held (its write RPC incl. pickling + the commit RPC). *apply total*: the
+  whole `apply_patch` (position decode, gather, value decode + verification, write).
+* **A, baselines of model size.** *full reload*: the engine loading a whole checkpoint through
+  its own loader (`load_files`, incl. re-packing every layer) when the benchmark switches to the
+  next learning rate's run (its v0); *total* adds the full fingerprint recomputation that
+  `load_snapshot` does. *full fingerprint check*: `Coordinator.verify()` at the end (every
+  version applied was also verified against its manifest on the way).
+* **B.** Times from just before `Publisher.publish()`; *on board + announced* is when the
+  version's future resolved (trainer side: diff + encode + board write + NATS announce); the
+  engine's breakdown is `/stitch/status` `last_apply` (Coordinator stats); *notify + fetch +
+  poll* = serving - on board - engine apply (NATS delivery, the follower's fetch from the board
+  directory, and the 10 ms poll granularity; slightly negative when the engine finished before
+  the trainer's future resolved). The follower's reconcile timer is 5 s, so the announcement is
+  what triggers each apply. Gather and write are as the Coordinator sees them (RPC into vLLM's
+  engine-core process included); in parentheses the time on the rank.
+* **B, baseline** (same run, same weights, outside the timers above): a fresh `Publisher` (no
+  base, so snapshot only, no patch encode) publishes the same model state as a full snapshot to
+  a second board, then `stitch pull` of that version into a fresh directory with a fresh cache
+  (fetch, checksum, full fingerprints, write the checkpoint). That is the full-checkpoint path up
+  to the point where the engine would reload; the engine's own reload of this model (A, "tiny")
+  comes on top.
+* The trainer (transformers, fp32 masters, AdamW, weight decay 0.01, batches of 4 x 32 random
+  tokens) runs in this driver process; the engines run in child processes (vLLM 0.32's CPU
+  backend cannot start in a process that imported numba).
+* **OMP_WAIT_POLICY=PASSIVE** is set for every process by default. vLLM's CPU platform
+  LD_PRELOADs torch's libgomp into its engine-core process, whose threads spin after every
+  parallel region; on this shared, oversubscribed 2-core box, with the API server (patch decode)
+  and the engine core (gather/write) taking turns, the spinning made the rank's gather and write
+  5-30x slower than the same calls in A and publish -> serving erratic (see the additional run
+  with `--omp-wait-policy ''` below, when present). This is an artifact of too few cores, not of
+  Stitch; a GPU server with cores to spare does not see it."""
+
+
+if __name__ == "__main__":
+    main()

@@ -2,8 +2,9 @@
 
 Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` reaching a
 `stitch_core.replica.RankReplica` in every tensor-parallel rank, plus optional `pause`/`resume`
-(hold engine steps) and `after_apply` (e.g. reset the prefix cache) hooks. It is the `apply`
-callback of a `stitch_core.follower.Follower`.
+(hold engine steps) and `after_apply(version)` (called while steps are still held, right after a
+version is in place: reset the prefix cache, tell the engine its weight version) hooks. It is the
+`apply` callback of a `stitch_core.follower.Follower`.
 
 Why the coordinator, not every rank, decodes: ULP values are entropy-coded under contexts taken
 from the *old* value of each element, so a rank holding a slice of a tensor cannot decode a chunk
@@ -47,6 +48,7 @@ log = logging.getLogger("stitch.engine")
 PULLED_MANIFEST = "stitch-manifest.json"  # written by `stitch pull` next to the weights
 Rpc = Callable[[str, dict[str, Any]], Awaitable[list[dict[str, Any]]]]
 Hook = Callable[[], Awaitable[Any]]
+VersionHook = Callable[[int], Awaitable[Any]]
 
 
 class EngineStateError(RuntimeError):
@@ -87,7 +89,7 @@ def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
 class Coordinator:
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
-                 after_apply: Hook | None = None):
+                 after_apply: VersionHook | None = None):
         self.rpc = rpc
         self.run = run
         self.gate = gate
@@ -322,17 +324,13 @@ class Coordinator:
                 self.fps = dict(m.fingerprints)
                 self.fallback.update(fb_new)
                 handle.commit(m.patch_bytes)
+                await self._after(m.version)
             finally:
                 if self.pause is not None and self.resume is not None:
                     await self.resume()
             pause_s = time.perf_counter() - t0
         await self.rpc("commit", {"id": aid})  # drops the ranks' undo logs; outside the pause
         self._set_version(m.version)
-        if self.after_apply is not None:
-            try:
-                await self.after_apply()
-            except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
-                log.debug("after_apply hook: %s", e)
         return {"write_s": write_s, "pause_s": pause_s,
                 "write_rank_s": max(r["seconds"] for r in replies)}
 
@@ -362,17 +360,20 @@ class Coordinator:
                             _load_host, Path(snap_dir), set(self.fallback))
                     self.fps = dict(want)
                     handle.commit()
+                    await self._after(m.version)
                 finally:
                     if self.pause is not None and self.resume is not None:
                         await self.resume()
             self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
                           "tensors": len(self.mult), "fallback": len(self.fallback)}
             self._set_version(m.version)
-            if self.after_apply is not None:
-                try:
-                    await self.after_apply()
-                except Exception as e:
-                    log.debug("after_apply hook: %s", e)
+
+    async def _after(self, version: int) -> None:
+        if self.after_apply is not None:
+            try:
+                await self.after_apply(version)
+            except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
+                log.debug("after_apply hook: %s", e)
 
     async def verify(self) -> dict[str, Any]:
         """Recompute every rank's full sums and compare with the held version's fingerprints."""

@@ -1,7 +1,7 @@
 """Stitch core: served views, lossless patches, fingerprints. No engine, no trainer.
 
-Submodules import lazily: engine processes import `stitch_core.layout` (torch and numpy only)
-before their engine starts, and must not pull in numba then (see stitch_vllm/worker.py).
+Submodules import lazily, so an engine plugin importing `stitch_core.layout` (torch and numpy)
+does not pay for the codec's numba kernels until it needs them.
 """
 
 from __future__ import annotations

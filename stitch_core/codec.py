@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 
 from . import dtypes, entropy
+from ._jit import numba
 from .dtypes import DTypeInfo
 
 POS_ENCODINGS = ("all", "gaps", "bitmap")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import struct
 
-import numba
 import numpy as np
+
+from ._jit import numba
 
 RANS_L = 1 << 23
 SCALE_BITS = 14

@@ -24,11 +24,11 @@ import hashlib
 import zlib
 from collections.abc import Iterable, Mapping
 
-import numba
 import numpy as np
 import torch
 
 from . import dtypes
+from ._jit import numba
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1

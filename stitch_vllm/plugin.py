@@ -1,11 +1,10 @@
 """The `vllm.general_plugins` entry point (`stitch = stitch_vllm.plugin:register`).
 
 vLLM runs it in every process it starts (API server, engine core, TP workers), possibly several
-times, before any model is loaded. It must stay cheap and import nothing that pulls in numba (see
-stitch_vllm/worker.py). On the CPU backend it installs what in-place applies need there (the
-weight keeper, AMX set-up); on GPUs it installs nothing. The follower itself runs in the API
-server process and is started by `stitch_vllm.server.StitchMiddleware` at application start-up,
-where the engine client exists (a plugin runs before it does).
+times, before any model is loaded, so it stays cheap. On the CPU backend it installs what in-place
+applies need there (the weight keeper, AMX set-up); on GPUs it installs nothing. The follower
+itself runs in the API server process and is started by `stitch_vllm.server.StitchMiddleware` at
+application start-up, where the engine client exists (a plugin runs before it does).
 """
 
 from __future__ import annotations

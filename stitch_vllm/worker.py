@@ -10,10 +10,8 @@ coordinator in the API server process (`stitch_vllm.server`) decodes patches and
 Payloads are pickled bytes both ways: vLLM's msgpack channel turns arrays into memoryviews that the
 worker message queue cannot carry. The channel is the engine's own, between its own processes.
 
-Pitfall (vLLM 0.32, CPU): at worker start-up vLLM scans every loaded module and fails on llvmlite
-objects (`'_lib_fn_wrapper' object has no attribute 'get'`). stitch_core's codec uses numba, so this
-module imports only `stitch_core.layout` (torch and numpy) at import time and the rest lazily, on
-the first call, when the engine is up.
+Imports stay light (torch, numpy); the replica and the codec are imported on the first call.
+numba is safe here (see stitch_core/_jit.py for the vLLM start-up scan it used to trip).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Helpers for tests against real vLLM OpenAI servers (subprocesses) running the Stitch plugin.
 
-The engine always runs in its own process: vLLM 0.32's CPU worker fails at start-up in a process
-that already imported numba (stitch_core's codec), and a test process publishes and pulls.
+The engine runs in its own process, as a user runs it; the test process trains, publishes and pulls.
 """
 
 from __future__ import annotations

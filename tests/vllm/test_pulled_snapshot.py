@@ -1,8 +1,6 @@
 """A version materialised by `stitch pull` loads in vLLM as is and serves exactly that version.
 
-Publishing and pulling run in a subprocess: vLLM 0.32's CPU worker scans every loaded module at
-start-up and trips over llvmlite objects, so numba (used by stitch_core) must not be imported
-in a process before its engine starts (see the note in stitch_vllm/worker.py).
+Publishing and pulling run in a subprocess, as a trainer and a `stitch pull` would.
 """
 
 from __future__ import annotations

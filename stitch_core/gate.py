@@ -181,6 +181,13 @@ class VersionGate:
         self.metrics.set_version(self.version, self.latest)
         self._wake()
 
+    async def wait_version(self) -> int:
+        """Wait (event-driven) until the engine holds a verified version; return it."""
+        self._bind_loop()
+        while self.version is None:
+            await self._changed.wait()
+        return self.version
+
     def set_latest(self, v: int) -> None:
         """The newest published version is (at least) `v`."""
         v = int(v)

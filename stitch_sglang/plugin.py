@@ -1,0 +1,74 @@
+"""The `sglang.srt.plugins` entry point (`stitch = stitch_sglang.plugin:register`).
+
+SGLang calls it once in every process it starts (the HTTP/main process, every TP scheduler, the
+detokenizer), before any model exists, and then applies the hooks registered here. SGLang logs a
+failing plugin and carries on without it, so this function logs what it did at WARNING itself.
+
+* every process: the two request types of the Stitch RPC (`stitch_sglang.worker`) join SGLang's
+  IPC decoder, and an AFTER hook on `Scheduler.init_request_dispatcher` routes them to a
+  `RankReplica` on every TP rank;
+* the main process only (`multiprocessing.parent_process() is None`; registering there imports
+  the HTTP server module): a BEFORE hook on `http_server._setup_and_run_http_server` adds
+  `stitch_sglang.server.StitchMiddleware` to SGLang's app, and an AROUND hook on
+  `http_server._wait_and_warmup` holds SGLang's warm-up request (and so `/health`) until the
+  engine holds a proven version (the warm-up kills the server on any non-200 answer).
+
+`STITCH_SGLANG=0` switches the plugin off in every process; `SGLANG_PLUGINS` (a list of plugin
+names) also filters it. The middleware is added only for a follower: `STITCH_BOARD` or
+`STITCH_RUN` set, or a `stitch-manifest.json` in `--model-path` (`stitch pull` output).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+
+log = logging.getLogger("stitch.sglang")
+
+SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
+HTTP_HOOK = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+WARMUP_HOOK = "sglang.srt.entrypoints.http_server._wait_and_warmup"
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get("STITCH_SGLANG", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def register() -> None:
+    if not enabled():
+        if multiprocessing.parent_process() is None:  # once per server, not per rank
+            log.warning("stitch: STITCH_SGLANG=%s: the Stitch plugin is off",
+                        os.environ.get("STITCH_SGLANG"))
+        return
+    try:
+        from sglang.srt.managers import io_struct
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        from .worker import StitchCallReqInput, StitchCallReqOutput, install_handler
+    except Exception:
+        log.exception("stitch: SGLang's plugin API is not available; the Stitch plugin is off")
+        return
+    io_struct.hook_custom_types(StitchCallReqInput, StitchCallReqOutput)
+    HookRegistry.register(SCHEDULER_HOOK, install_handler, HookType.AFTER)
+    if multiprocessing.parent_process() is None:  # SGLang spawns its schedulers as children
+        HookRegistry.register(HTTP_HOOK, _before_http_server, HookType.BEFORE)
+        HookRegistry.register(WARMUP_HOOK, _around_warmup, HookType.AROUND)
+
+
+# stitch_sglang.server (stitch_core's gate, hence prometheus_client) is imported only when the
+# hooks run: importing prometheus_client before SGLang sets PROMETHEUS_MULTIPROC_DIR (at launch,
+# after plugins load) would keep this process's metrics, SGLang's own included, out of /metrics.
+
+
+def _before_http_server(*args, **kwargs):
+    from .server import before_http_server
+
+    return before_http_server(*args, **kwargs)
+
+
+def _around_warmup(original, *args, **kwargs):
+    from .server import around_warmup
+
+    return around_warmup(original, *args, **kwargs)

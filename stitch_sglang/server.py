@@ -1,0 +1,233 @@
+"""The HTTP-process side of the SGLang plugin: `SglangFollower` and `StitchMiddleware`.
+
+The plugin (`stitch_sglang.plugin`) adds `StitchMiddleware` to SGLang's FastAPI app just before
+uvicorn starts. At application start-up it starts a `SglangFollower` (a `stitch_core.engine.
+EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
+
+* RPC: a `StitchCallReqInput` through the TokenizerManager's scheduler channel, answered by every
+  TP rank (`stitch_sglang.worker`) and collected by a `FanOutCommunicator`;
+* engine steps are held with `pause_generation(mode="in_place")` (requests and their KV stay) and
+  released with `continue_generation`;
+* after each apply (steps still held) SGLang's own `weight_version` is set to the Stitch version,
+  so `meta_info.weight_version(s)` of native `/generate` and the `metadata` of OpenAI answers
+  agree with the "stitch" field, and a flush of the radix cache is queued for when the engine is
+  idle (requests are also salted per version by the middleware, so no version reuses another's
+  KV).
+
+The version protocol, `/stitch/status`, `/stitch/verify` and the Prometheus metrics come from
+`stitch_core`; `/generate` (POST and PUT) is version-controlled besides the OpenAI paths.
+Configuration: the environment (`stitch_core.engine.Settings`: STITCH_BOARD, STITCH_RUN, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+from stitch_core import protocol
+from stitch_core.engine import EngineFollower, FollowerMiddleware, Settings, current
+
+log = logging.getLogger("stitch.sglang")
+
+__all__ = ["SglangFollower", "StitchMiddleware", "Settings", "current", "PATHS"]
+
+PATHS = (*protocol.DEFAULT_PATHS, "/generate")
+FLUSH_TIMEOUT = 60.0  # seconds a queued radix-cache flush waits for the engine to go idle
+
+_ACTIVE = False  # the middleware was added to SGLang's app (this process follows a run)
+_WAKE = threading.Event()  # a version is proven, or the server is stopping: warm-up may end
+
+
+class SglangFollower(EngineFollower):
+    engine_name = "sglang"
+
+    def __init__(self, tokenizer_manager: Any, settings: Settings, model_dir: str | None = None):
+        super().__init__(settings, model_dir or tokenizer_manager.server_args.model_path)
+        self.tm = tokenizer_manager
+        self.ready = False  # the engine held a proven version once (SGLang's warm-up may run)
+        self._comm: Any = None
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ EngineFollower hooks
+
+    def _communicator(self) -> Any:
+        if self._comm is None:
+            from sglang.srt.managers.communicator import FanOutCommunicator
+            from sglang.utils import TypeBasedDispatcher
+
+            from .worker import StitchCallReqOutput
+
+            try:
+                from sglang.srt.runtime_context import get_parallel
+
+                fan_out = int(get_parallel().num_dp_ranks)
+            except Exception:
+                fan_out = 1
+            self.tm.auto_create_handle_loop()
+            comm = FanOutCommunicator(self.tm._dispatch_to_scheduler, fan_out)
+            self.tm._result_dispatcher += TypeBasedDispatcher(
+                [(StitchCallReqOutput, comm.handle_recv)])
+            self._comm = comm
+        return self._comm
+
+    async def rpc(self, method: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        from .worker import StitchCallReqInput
+
+        outs = await self._communicator()(
+            StitchCallReqInput(method=method, blob=pickle.dumps(payload)))
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"stitch {method} failed on the engine: {'; '.join(errors)}")
+        return [pickle.loads(r) for o in outs for r in o.replies]
+
+    async def pause(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        # in_place: the scheduler stops running batches, requests keep their KV (vLLM's "keep");
+        # sent on the same ordered channel as the RPC that follows, so it lands first
+        await self.tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+
+    async def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self.tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+
+    async def after_apply(self, version: int) -> None:
+        await self._set_weight_version(version)
+        # refused while requests run, so queue it until the engine is idle (bounded)
+        task = asyncio.create_task(self._flush(version))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------ SGLang specifics
+
+    async def _set_weight_version(self, version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        try:  # while steps are held: SGLang's per-request version spans are exact
+            await self.tm.update_weight_version(UpdateWeightVersionReqInput(
+                new_version=str(version), abort_all_requests=False))
+        except Exception:
+            log.exception("stitch: could not set SGLang's weight_version to %s", version)
+
+    async def _flush(self, version: int) -> None:
+        try:
+            out = await self.tm.flush_cache(timeout_s=FLUSH_TIMEOUT)
+            if out.success:
+                log.info("stitch: radix cache flushed after v%s", version)
+            else:  # harmless: requests are salted per version
+                log.info("stitch: radix cache not flushed after v%s: %s", version, out.message)
+        except Exception as e:
+            log.warning("stitch: radix cache flush after v%s failed: %s", version, e)
+
+    async def start(self) -> None:
+        await super().start()
+        self._tasks.append(asyncio.create_task(self._when_serving()))
+
+    async def _when_serving(self) -> None:
+        """Once a version is proven: SGLang's weight_version follows it, the warm-up may run."""
+        v = await self.gate.wait_version()
+        await self._set_weight_version(v)
+        self.ready = True
+        log.warning("stitch: %s v%s proven on %d rank(s); SGLang's warm-up may run",
+                    self.gate.run, v, self.coord.ranks if self.coord else 0)
+        _WAKE.set()
+
+    async def stop(self) -> None:
+        _WAKE.set()
+        for t in list(self._background):
+            t.cancel()
+        await super().stop()
+
+
+class StitchMiddleware(FollowerMiddleware):
+    """The version protocol on SGLang's app (`/generate` included), plus the follower's start
+    and stop. Added by the plugin; `app.add_middleware(StitchMiddleware)` does the same."""
+
+    def __init__(self, app: Any, **kw: Any):
+        kw.setdefault("paths", PATHS)
+        super().__init__(app, **kw)
+
+    def make_follower(self, app: Any) -> SglangFollower | None:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        state = get_global_state()
+        tm = getattr(state, "tokenizer_manager", None)
+        if tm is None:
+            return None
+        return SglangFollower(tm, Settings.from_env())
+
+    async def shutdown(self) -> None:
+        _WAKE.set()
+        await super().shutdown()
+
+    async def http(self, scope, receive, send) -> None:
+        # SGLang's /generate also answers PUT: version-controlled the same way as POST
+        if scope.get("method") == "PUT" and scope.get("path") in self.paths:
+            gate = self.get_gate()
+            if gate is not None:
+                await self.serve(gate, scope, receive, send)
+                return
+        await super().http(scope, receive, send)
+
+
+# ------------------------------------------------------------------ hooks (see plugin.py)
+
+
+def follows(model_path: str | None, env: dict[str, str] | None = None) -> bool:
+    """Is this server a Stitch follower? STITCH_BOARD/STITCH_RUN set, or a pulled snapshot."""
+    env = os.environ if env is None else env
+    if env.get("STITCH_BOARD") or env.get("STITCH_RUN"):
+        return True
+    return bool(model_path) and (Path(str(model_path)) / "stitch-manifest.json").is_file()
+
+
+def before_http_server(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on `_setup_and_run_http_server(server_args, tokenizer_manager, ...)`."""
+    global _ACTIVE
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    model_path = getattr(server_args, "model_path", None)
+    if not follows(model_path):
+        log.warning("stitch: plugin loaded, but this server follows no run (no STITCH_BOARD or "
+                    "STITCH_RUN, no stitch-manifest.json in %s): SGLang runs unchanged",
+                    model_path)
+        return None
+    workers = getattr(server_args, "tokenizer_worker_num", 1) or 1
+    if workers != 1:
+        log.error("stitch: --tokenizer-worker-num %s is not supported (each tokenizer worker "
+                  "would run its own follower); SGLang runs WITHOUT the Stitch protocol", workers)
+        return None
+    from sglang.srt.entrypoints.http_server import app
+
+    app.add_middleware(StitchMiddleware)
+    _ACTIVE = True
+    log.warning("stitch: following %s (run %s); requests get 409 until the loaded weights are "
+                "proven; GET /stitch/status", os.environ.get("STITCH_BOARD") or "no board",
+                os.environ.get("STITCH_RUN") or "of the manifest")
+    return None
+
+
+def around_warmup(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on `_wait_and_warmup` (a thread of SGLang's lifespan): SGLang's warm-up POSTs
+    /generate and kills the server on any non-200, and /health answers 503 until it passed. Run
+    it only once the engine holds a proven version (it then passes the gate like any request);
+    return without it if the server stops first (the lifespan joins this thread)."""
+    if not _ACTIVE:
+        return original(*args, **kwargs)
+    ef = current()
+    if ef is None:
+        log.error("stitch: the follower did not start (see above); SGLang's warm-up is withheld "
+                  "and /health stays 503")
+    else:
+        log.warning("stitch: SGLang's warm-up waits for a proven version (/health is 503 "
+                    "until then)")
+    _WAKE.wait()
+    ef = current()
+    if not isinstance(ef, SglangFollower) or not ef.ready:
+        return None
+    return original(*args, **kwargs)

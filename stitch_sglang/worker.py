@@ -1,0 +1,101 @@
+"""Scheduler side of the SGLang plugin: one `RankReplica` per TP rank, reached by a custom
+control request.
+
+SGLang runs one scheduler process per TP rank. Control requests from the TokenizerManager (the
+HTTP process) reach TP rank 0, which broadcasts them to every rank; each rank runs the handler
+registered for the request's type between engine steps, and only rank 0's return value is sent
+back. So the handler installed here (an AFTER hook on `Scheduler.init_request_dispatcher`, see
+`stitch_sglang.plugin`) runs `RankReplica.dispatch(method, payload)` on its rank's model, then
+every rank joins one `all_gather_object` on the TP CPU (gloo) group, as SGLang's own
+`check_weights` does, and rank 0 returns all replies in rank order. Every rank reaches the
+collective even when its call failed: errors travel as strings and the HTTP side raises them.
+
+Payloads are pickled bytes both ways, inside two msgspec request types registered with
+`io_struct.hook_custom_types` in every SGLang process (their msgspec tag is the class name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from typing import Any
+
+import torch
+from sglang.srt.managers.io_struct import BaseReq
+
+log = logging.getLogger("stitch.sglang")
+
+__all__ = ["StitchCallReqInput", "StitchCallReqOutput", "install_handler", "rank_info"]
+
+
+class StitchCallReqInput(BaseReq, kw_only=True):
+    """One `RankReplica` call for every TP rank: method name + pickled keyword payload."""
+
+    method: str
+    blob: bytes
+
+
+class StitchCallReqOutput(BaseReq, kw_only=True):
+    """Pickled replies in TP rank order; `error` joins the ranks' errors (None: all succeeded)."""
+
+    replies: list[bytes]
+    error: str | None = None
+
+
+def rank_info() -> dict[str, Any]:
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    info: dict[str, Any] = {}
+    for key in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank"):
+        with contextlib.suppress(Exception):  # not published in this configuration
+            info[key] = getattr(p, key)
+    return info
+
+
+def _replica(scheduler: Any):
+    rep = getattr(scheduler, "_stitch_rep", None)
+    if rep is None:
+        from stitch_core.replica import RankReplica
+
+        model = scheduler.tp_worker.model_runner.model
+        rep = RankReplica(model, rank_info=rank_info())
+        scheduler._stitch_rep = rep
+    return rep
+
+
+def _call(scheduler: Any, method: str, blob: bytes) -> bytes:
+    rep = _replica(scheduler)
+    if torch.cuda.is_available() and any(p.is_cuda for p in rep.model.parameters()):
+        # the overlap scheduler may still have a forward in flight on the device
+        torch.cuda.synchronize()
+    return pickle.dumps(rep.dispatch(method, pickle.loads(blob)))
+
+
+def handle(scheduler: Any, req: StitchCallReqInput) -> StitchCallReqOutput:
+    """Run on every TP rank (same order on all of them); rank 0's return value is the reply."""
+    try:
+        reply, err = _call(scheduler, req.method, req.blob), None
+    except Exception as e:
+        group = scheduler.tp_group
+        log.exception("stitch: %s failed on TP rank %s", req.method, group.rank_in_group)
+        reply, err = b"", f"TP rank {group.rank_in_group}: {type(e).__name__}: {e}"
+    group = scheduler.tp_group
+    if group.world_size > 1:
+        gathered: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(gathered, (reply, err), group=group.cpu_group)
+    else:
+        gathered = [(reply, err)]
+    errors = [e for _, e in gathered if e]
+    return StitchCallReqOutput(replies=[r for r, _ in gathered],
+                               error="; ".join(errors) if errors else None)
+
+
+def install_handler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook on `Scheduler.init_request_dispatcher`: route StitchCallReqInput to `handle`."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler._request_dispatcher += TypeBasedDispatcher(
+        [(StitchCallReqInput, lambda req: handle(scheduler, req))])
+    return result

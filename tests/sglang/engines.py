@@ -1,0 +1,191 @@
+"""Helpers for tests against real SGLang servers (`python -m sglang.launch_server` subprocesses)
+with the Stitch plugin (installed entry point) and the stand-in kernel (tests/sglang/stub).
+
+Followers get STITCH_* variables; fresh reference engines run with STITCH_SGLANG=0 (plain SGLang).
+Comparisons use SGLang's native /generate (greedy, token ids and top logprobs), each request with
+a unique `cache_salt` so that no answer reuses another request's radix-cache prefix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+from .smoke import free_port, server_cmd, server_env, stop
+
+PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
+MAX_TOKENS = 12
+TOP = 3
+
+
+class Trainer:
+    """A real HF model trained with AdamW on random tokens, publishing every step (as in
+    tests/vllm/test_server.py)."""
+
+    def __init__(self, model_dir, board, nats, run: str):
+        from transformers import AutoModelForCausalLM
+
+        from stitch_trainer import Publisher
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
+        self.g = torch.Generator().manual_seed(0)
+        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
+        self.step = 0
+        self.lock = threading.Lock()
+
+    def view(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(torch.bfloat16).clone()
+                for k, v in self.model.state_dict().items() if k != "lm_head.weight"
+                or not self.model.config.tie_word_embeddings}
+
+    def publish(self) -> int:
+        with self.lock:
+            if self.step:
+                x = torch.randint(0, self.model.config.vocab_size, (4, 16), generator=self.g)
+                loss = self.model(input_ids=x, labels=x).loss
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+            v = self.pub.publish(self.step, self.model).result().version
+            self.step += 1
+            return v
+
+
+def engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[str, str]:
+    env = server_env(tp)
+    for k in [k for k in env if k.startswith("STITCH_")]:
+        del env[k]
+    if plain:
+        env["STITCH_SGLANG"] = "0"
+    for k, v in stitch.items():
+        env[f"STITCH_{k.upper()}"] = str(v)
+    return env
+
+
+class Engine:
+    """A server subprocess in its own process group, with the Stitch status helpers."""
+
+    name = "engine"
+
+    def __init__(self, cmd: list[str], env: dict[str, str], port: int, model: str, log: Path):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        self.log = log
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+
+    def wait_version(self, version: int, timeout: float = 400) -> dict:
+        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
+        deadline = time.monotonic() + timeout
+        last: dict | str = "no answer"
+        while time.monotonic() < deadline:
+            self._alive()
+            try:
+                r = self.http.get("/stitch/status", timeout=5)
+                last = r.json()
+                if last.get("version") == version and last.get("state") == "serving":
+                    return last
+            except (httpx.HTTPError, ValueError) as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
+
+    def wait_healthy(self, timeout: float = 400) -> float:
+        """Poll /health until 200 (SGLang's own warm-up request passed)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            self._alive()
+            try:
+                if self.http.get("/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.name} not healthy after {timeout}s\n{self.tail()}")
+
+    def status(self) -> dict:
+        return self.http.get("/stitch/status").json()
+
+    def tail(self, n: int = 60) -> str:
+        self._logf.flush()
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        """SIGTERM the launcher, wait for its process group, SIGKILL leftovers (smoke.stop)."""
+        self.http.close()
+        stop(self.proc)
+        self._logf.close()
+
+
+class Server(Engine):
+    """An SGLang HTTP server (`python -m sglang.launch_server`); a Stitch follower unless
+    `plain`."""
+
+    name = "SGLang server"
+
+    def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, plain: bool = False,
+                 python: str = sys.executable, extra: list[str] | tuple[str, ...] = (),
+                 **stitch: str):
+        port = free_port()
+        self.tp = tp
+        cmd = server_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra])
+        super().__init__(cmd, engine_env(tp, plain, **stitch), port, str(model_dir), log)
+
+    def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, **kw}
+        return self.http.post("/v1/completions", json=body, headers=headers or {})
+
+    def generate(self, prompt: str | list[str], headers: dict | None = None,
+                 max_new_tokens: int = MAX_TOKENS, **kw) -> httpx.Response:
+        body = {"text": prompt, "sampling_params": {"temperature": 0.0,
+                                                    "max_new_tokens": max_new_tokens}, **kw}
+        return self.http.post("/generate", json=body, headers=headers or {})
+
+    def outputs(self, version: int | None = None) -> list[dict]:
+        """Greedy token ids and top logprobs for PROMPTS (pinned to exactly `version` if given;
+        a fresh cache_salt each, so nothing comes from the radix cache)."""
+        res = []
+        for p in PROMPTS:
+            headers = {"X-Stitch-Version": str(version)} if version is not None else {}
+            r = self.generate(p, headers, return_logprob=True, top_logprobs_num=TOP,
+                              cache_salt=f"cmp-{uuid.uuid4().hex}")
+            assert r.status_code == 200, r.text
+            body = r.json()
+            meta = body["meta_info"]
+            if version is not None:
+                assert body["stitch"]["version_start"] == body["stitch"]["version_end"] == version
+                assert meta["weight_version"] == str(version), meta
+            res.append({"tokens": [t[1] for t in meta["output_token_logprobs"]],
+                        "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+                        "top": [{t[1]: t[0] for t in step} for step in
+                                meta["output_top_logprobs"]]})
+        return res
+
+def fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, list[dict]]:
+    """Outputs of fresh plain SGLang engines loaded from each directory, started in turn."""
+    res = {}
+    for i, d in enumerate(dirs):
+        server = Server(d, tmp / f"fresh-{i}.log", tp=tp, plain=True)
+        try:
+            server.wait_healthy()
+            res[str(d)] = server.outputs()
+        finally:
+            server.stop()
+    return res

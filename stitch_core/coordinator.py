@@ -38,6 +38,7 @@ import torch
 
 from . import codec, dtypes
 from . import fingerprint as fpr
+from .checkpoint import open_checkpoint
 from .layout import read_safetensors_shapes
 from .manifest import Manifest
 from .patch import PatchSet, _chunk_list, _decode, apply_entry, check_compatible, check_digests
@@ -63,27 +64,13 @@ def read_pulled_manifest(model_dir: str | Path) -> Manifest | None:
 
 
 def _files_fingerprints(model_dir: Path, names: list[str]) -> dict[str, int]:
-    from safetensors import safe_open
-
-    out: dict[str, int] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if k in names:
-                    out[k] = fpr.fingerprint(k, sf.get_tensor(k))
-    return out
+    ck = open_checkpoint(model_dir)
+    return {n: fpr.fingerprint(n, ck.load(n)) for n in names}
 
 
 def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if k in names:
-                    out[k] = sf.get_tensor(k)
-    return out
+    ck = open_checkpoint(model_dir)
+    return {n: ck.load(n) for n in ck.names() if n in names}
 
 
 class Coordinator:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Demo: a trainer publishes versions of a model; a follower, then a vLLM engine, follow them.
+"""Demo: a trainer publishes versions of a model; a follower, then an engine, follow them.
 
 Part 1, on this machine: a real nats-server (JetStream) and a board directory, a Llama-shaped
 model trained with AdamW at an RL learning rate, the `Publisher` shipping each step as a lossless
@@ -7,8 +7,9 @@ patch (a snapshot every 5 versions), and a `Follower` subscribed to the announce
 applies and verifies every version bit for bit. Then the CLI: `stitch versions`, `stitch pull`,
 `stitch inspect`, and a corrupted patch being refused.
 
-Part 2 (`scripts/demo_vllm.py`; `--no-engine` skips it): a stock vLLM OpenAI server with the Stitch
-plugin follows a trainer's versions in place, and each completion says which version served it.
+Part 2 (`scripts/demo_engine.py`; `--no-engine` skips it): a stock vLLM (default) or SGLang
+(`--engine sglang`) OpenAI server with the Stitch plugin follows a trainer's versions in place, and
+each completion says which version served it.
 """
 
 from __future__ import annotations
@@ -71,12 +72,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                    help="the engine of part 2")
     ap.add_argument("--no-engine", action="store_true",
-                    help="skip part 2 (the vLLM engine), e.g. where vLLM cannot be installed")
+                    help="skip part 2 (the engine), e.g. where the engine cannot be installed")
     ap.add_argument("--engine-versions", type=int, default=6,
                     help="versions the trainer of part 2 publishes after v0")
-    ap.add_argument("--vllm-python", type=Path, default=None,
-                    help="python of the vLLM venv (default: $STITCH_VLLM_VENV or .venv-vllm)")
+    ap.add_argument("--engine-python", type=Path, default=None,
+                    help="python of the engine's venv (default: $STITCH_VLLM_VENV or "
+                         ".venv-vllm; $STITCH_SGLANG_VENV or .venv-sglang)")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: cleanup
     work = a.out or Path(tempfile.mkdtemp(prefix="stitch-demo-"))
@@ -85,18 +89,18 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         engine = None
         if not a.no_engine:
-            from demo_vllm import EngineDemo
+            from demo_engine import EngineDemo
 
-            # part 2's vLLM server boots (30-60 s) while part 1 runs
+            # part 2's server boots (vLLM 30-60 s, SGLang 1-3 min) while part 1 runs
             engine = stack.enter_context(EngineDemo(work / "engine", a.engine_versions,
-                                                    vllm_python=a.vllm_python))
-            print(f"(part 2's vLLM server is starting in the background meanwhile; log: "
-                  f"{engine.engine.log})\n")
+                                                    engine=a.engine, python=a.engine_python))
+            print(f"(part 2's {engine.kind.title} server is starting in the background "
+                  f"meanwhile; log: {engine.engine.log})\n")
         print("=== part 1: trainer -> board + NATS -> follower, bit for bit ===\n")
         follower_demo(work, a)
         if engine is not None:
-            print("\n=== part 2: trainer -> board + NATS -> vLLM OpenAI server with the Stitch "
-                  "plugin ===\n")
+            print(f"\n=== part 2: trainer -> board + NATS -> {engine.kind.title} server with the "
+                  "Stitch plugin ===\n")
             engine.show()
     print(f"\ndemo done in {time.monotonic() - t0:.0f} s; work directory {work}")
 

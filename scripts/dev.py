@@ -2,7 +2,8 @@
 """One entry point for a fresh machine: creates .venv, installs Stitch, runs the demo or tests.
 
     python3 scripts/dev.py demo     # set up (.venv and .venv-vllm) + run the demo
-    python3 scripts/dev.py demo --no-engine   # without the vLLM engine part (no .venv-vllm)
+    python3 scripts/dev.py demo --engine sglang   # the engine part with SGLang (.venv-sglang)
+    python3 scripts/dev.py demo --no-engine   # without the engine part (no engine venv)
     python3 scripts/dev.py test     # set up + run lint and the whole test suite (main, then the
                                     # vLLM suite in .venv-vllm, then SGLang in .venv-sglang)
 
@@ -84,6 +85,38 @@ def setup_sglang() -> None:
     SGLANG_STAMP.touch()
 
 
+def demo_engine(args: list[str]) -> str:
+    """The demo's `--engine X` / `--engine=X` (default vllm)."""
+    engine = "vllm"
+    for i, a in enumerate(args):
+        if a == "--engine" and i + 1 < len(args):
+            engine = args[i + 1]
+        elif a.startswith("--engine="):
+            engine = a.split("=", 1)[1]
+    return engine
+
+
+def setup_demo_engine(engine: str) -> None:
+    """Build the venv of the demo's engine (the demo itself refuses an unknown engine)."""
+    venvs = {"vllm": (VLLM_VENV, VLLM_SPEC, VLLM_STAMP, setup_vllm, "about 7 minutes"),
+             "sglang": (SGLANG_VENV, SGLANG_SPEC, SGLANG_STAMP, setup_sglang,
+                        "about 10 minutes and 11 GB")}
+    if engine not in venvs:
+        return
+    venv, spec, stamp, build, cost = venvs[engine]
+    if not (venv / "bin" / "python").exists():
+        print(f"building the {engine} venv {venv} ({spec}) for the engine part of the demo: "
+              f"{cost}, once (`demo --no-engine` skips that part)", flush=True)
+    elif not stamp.exists():
+        print(f"checking the {engine} venv {venv} ({spec})", flush=True)
+    try:
+        build()
+    except subprocess.CalledProcessError:
+        print(f"could not build the {engine} venv; `python3 scripts/dev.py demo --no-engine` "
+              "runs the demo without the engine", file=sys.stderr)
+        raise
+
+
 def run_demo(cmd: list, env: dict[str, str]) -> int:
     """Like run(), but Ctrl-C lets the demo stop its servers (subprocess.run would kill it)."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
@@ -121,20 +154,10 @@ def main() -> int:
     if what == "demo":
         args = sys.argv[2:]
         if "--no-engine" not in args and not any(a in ("-h", "--help") for a in args):
-            if not (VLLM_VENV / "bin" / "python").exists():
-                print(f"building the vLLM venv {VLLM_VENV} ({VLLM_SPEC}) for the engine part of "
-                      "the demo: about 7 minutes, once (`demo --no-engine` skips that part)",
-                      flush=True)
-            elif not VLLM_STAMP.exists():
-                print(f"checking the vLLM venv {VLLM_VENV} ({VLLM_SPEC})", flush=True)
-            try:
-                setup_vllm()
-            except subprocess.CalledProcessError:
-                print("could not build the vLLM venv; `python3 scripts/dev.py demo --no-engine` "
-                      "runs the demo without the engine", file=sys.stderr)
-                raise
+            setup_demo_engine(demo_engine(args))
         return run_demo([PY, ROOT / "scripts" / "demo.py", *args],
-                        dict(env, STITCH_VLLM_VENV=str(VLLM_VENV)))
+                        dict(env, STITCH_VLLM_VENV=str(VLLM_VENV),
+                             STITCH_SGLANG_VENV=str(SGLANG_VENV)))
     print(f"unknown command {what!r}; use demo | test | setup", file=sys.stderr)
     return 2
 

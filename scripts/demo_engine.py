@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Demo, engine part: a trainer and a stock vLLM OpenAI server following it, on this machine.
+"""Demo, engine part: a trainer and a stock vLLM or SGLang server following it, on this machine.
 
 A real nats-server and a board directory; a small Qwen2 built here (random weights, a tokenizer
 trained here: nothing is downloaded); the trainer (transformers + AdamW) publishes v0 and
-`stitch pull` materialises it; `python -m vllm.entrypoints.openai.api_server` starts from that
-directory with the Stitch worker extension and middleware, from the vLLM venv (vLLM's CPU build
-lives in a venv of its own, see `scripts/dev.py`). Then every step the trainer publishes a patch
-and a completion asks for at least that version (`X-Stitch-Min-Version`, `X-Stitch-Wait`): the
-response tells which version served it. Also a 409 for a version the engine cannot serve,
-`/stitch/status` and the `stitch_*` metrics.
+`stitch pull` materialises it; the engine's own OpenAI server starts from that directory with the
+Stitch plugin, from the engine's venv (each engine pins its own torch, so each has a venv of its
+own, see `scripts/dev.py`):
 
-Run through `python3 scripts/dev.py demo` (builds both venvs), or with .venv's python:
-`python scripts/demo_vllm.py [--vllm-python .venv-vllm/bin/python]`.
+* `--engine vllm` (default): `python -m vllm.entrypoints.openai.api_server` with the Stitch worker
+  extension and middleware;
+* `--engine sglang`: `python -m sglang.launch_server`, unchanged: the installed `stitch-rl`
+  registers the plugin through SGLang's `sglang.srt.plugins` entry point. Without a GPU it runs
+  SGLang's CPU engine with the stand-in `sgl_kernel` of tests/sglang/stub (the package index has
+  no CPU build of SGLang's kernels; a dense model calls none of them).
+
+Then every step the trainer publishes a patch and a completion asks for at least that version
+(`X-Stitch-Min-Version`, `X-Stitch-Wait`): the response tells which version served it. Also a 409
+for a version the engine cannot serve, `/stitch/status` and the `stitch_*` metrics.
+
+Run through `python3 scripts/dev.py demo [--engine sglang]` (builds the venvs), or with .venv's
+python: `python scripts/demo_engine.py [--engine sglang] [--engine-python <venv>/bin/python]`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,15 +47,15 @@ from stitch_core.natsserver import NatsServer
 from stitch_trainer import Publisher
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = "demo-vllm"
+ENGINES = ("vllm", "sglang")
 PROMPT = "The quick brown"
 MAX_TOKENS = 12
-ENGINE_ENV = ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "STITCH_BOARD",
-              "STITCH_NATS_URL", "STITCH_RUN", "STITCH_CACHE_DIR"]
+SGL_KERNEL_STUB = ROOT / "tests" / "sglang" / "stub"
 
 
-def default_vllm_python() -> Path:
-    venv = Path(os.environ.get("STITCH_VLLM_VENV", ROOT / ".venv-vllm"))
+def default_python(engine: str) -> Path:
+    """The engine venv's python: $STITCH_VLLM_VENV / $STITCH_SGLANG_VENV, else .venv-<engine>."""
+    venv = Path(os.environ.get(f"STITCH_{engine.upper()}_VENV", ROOT / f".venv-{engine}"))
     return venv / "bin" / "python"
 
 
@@ -57,35 +66,51 @@ def free_port() -> int:
 
 
 class Engine:
-    """The vLLM OpenAI server, started as a user would, in its own process group."""
+    """An engine's OpenAI server, started as a user would, in its own process group."""
 
-    def __init__(self, python: Path, model_dir: Path, log: Path, board: Path, nats: str):
+    title = "engine"
+    boot = ""  # what happens while it starts, for the waiting message
+
+    def __init__(self, python: Path, model_dir: Path, log: Path, board: Path, nats: str,
+                 run: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         self.log = log
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   STITCH_BOARD=str(board), STITCH_NATS_URL=nats, STITCH_RUN=RUN,
-                   STITCH_CACHE_DIR=str(log.parent / "engine-cache"),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                            os.environ.get("PYTHONPATH")])))
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                    "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-                    "--max-num-seqs", "4", "--port", str(self.port),
-                    "--generation-config", "vllm",
-                    "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
-                    "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        stitch = {"STITCH_BOARD": str(board), "STITCH_NATS_URL": nats, "STITCH_RUN": run,
+                  "STITCH_CACHE_DIR": str(log.parent / f"{log.stem}-cache")}
+        self.shown_env = {**self.engine_env(), **stitch}  # what a user would set
+        env = dict(os.environ, **self.shown_env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self.pythonpath(), str(ROOT),
+                                                          os.environ.get("PYTHONPATH")]))
+        self.cmd = [str(python), *self.command()]
         self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, env=env, cwd=log.parent, stdout=self._logf,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
-        self.env = {k: env[k] for k in ENGINE_ENV}
 
+    # ------------------------------------------------------------ per engine
+    def engine_env(self) -> dict[str, str]:
+        return {}
+
+    def pythonpath(self) -> list[str]:
+        return []
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Extra readiness beyond /stitch/status saying "serving"."""
+        return True
+
+    # ------------------------------------------------------------ common
     def describe(self) -> str:
         """The command line, as a user would type it."""
-        words = [f"{k}={v}" for k, v in self.env.items()] + [self.cmd[0], " ".join(self.cmd[1:3])]
+        shown = dict(self.shown_env)
+        if self.pythonpath():
+            shown["PYTHONPATH"] = os.pathsep.join(self.pythonpath())
+        words = [f"{k}={v}" for k, v in shown.items()] + [self.cmd[0], " ".join(self.cmd[1:3])]
         for a in self.cmd[3:]:  # keep each flag with its value
             words[-1:] = [f"{words[-1]} {a}"] if not a.startswith("-") else [words[-1], a]
         lines = [""]
@@ -94,18 +119,18 @@ class Engine:
                 lines.append("")
             lines[-1] += (" " if lines[-1] else "") + w
         return ("$ " + " \\\n    ".join(lines) + f"\nlog: {self.log}\n"
-                "waiting for GET /stitch/status to say \"serving\" (30-60 s: vLLM starts, then\n"
-                "the plugin proves the loaded weights against v0's fingerprints)")
+                f"waiting for GET /stitch/status to say \"serving\" ({self.boot})")
 
-    def wait_serving(self, timeout: float = 600) -> dict:
+    def wait_serving(self, timeout: float = 900) -> dict:
         t0 = self.t0
         last, shown = "not listening yet", 0.0
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with code {self.proc.returncode}")
+                raise RuntimeError(f"the {self.title} server exited with code "
+                                   f"{self.proc.returncode}")
             try:
                 st = self.http.get("/stitch/status", timeout=5).json()
-                if st.get("state") == "serving":
+                if st.get("state") == "serving" and self.ready():
                     return st
                 last = f"state {st.get('state')!r}" + (f", {st['error']}" if "error" in st
                                                        else "")
@@ -115,7 +140,8 @@ class Engine:
                 shown = time.monotonic()
                 print(f"  ... {shown - t0:3.0f} s since the start: {last}", flush=True)
             time.sleep(0.5)
-        raise TimeoutError(f"the vLLM server was not serving after {timeout:.0f} s ({last})")
+        raise TimeoutError(f"the {self.title} server was not serving after {timeout:.0f} s "
+                           f"({last})")
 
     def complete(self, headers: dict[str, str]) -> httpx.Response:
         body = {"model": self.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
@@ -127,22 +153,80 @@ class Engine:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
+        """SIGTERM the server (it stops its own workers), wait for its process group to empty,
+        SIGKILL whatever is left."""
         self.http.close()
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of its process group
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.proc.poll()  # reap the leader so that the group can empty
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self._logf.close()
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class VllmEngine(Engine):
+    title = "vLLM"
+    boot = ("30-60 s: vLLM starts, then\nthe plugin proves the loaded weights against v0's "
+            "fingerprints")
+
+    def engine_env(self) -> dict[str, str]:
+        return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+    def command(self) -> list[str]:
+        return ["-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+                "--max-num-seqs", "4", "--port", str(self.port), "--generation-config", "vllm",
+                "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+                "--middleware", "stitch_vllm.server.StitchMiddleware"]
+
+
+class SglangEngine(Engine):
+    title = "SGLang"
+    boot = ("1-3 min on a small CPU box:\nSGLang starts, the plugin proves the loaded weights "
+            "against v0's fingerprints,\nthen SGLang runs its own warm-up request")
+
+    @staticmethod
+    def on_cpu() -> bool:
+        return shutil.which("nvidia-smi") is None
+
+    def engine_env(self) -> dict[str, str]:
+        return {"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu() else {}
+
+    def pythonpath(self) -> list[str]:
+        return [str(SGL_KERNEL_STUB)] if self.on_cpu() else []
+
+    def command(self) -> list[str]:
+        cpu = (["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--disable-overlap-schedule"] if self.on_cpu() else [])
+        return ["-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
+                "--port", str(self.port), *cpu, "--max-total-tokens", "8192",
+                "--random-seed", "0", "--enable-metrics"]
+
+    def ready(self) -> bool:  # SGLang's own warm-up ran (it starts once a version is proven)
+        return self.http.get("/health", timeout=5).status_code == 200
+
+
+ENGINE_CLASSES: dict[str, type[Engine]] = {"vllm": VllmEngine, "sglang": SglangEngine}
+
+
 class Trainer:
     """A HF causal LM trained with AdamW on a few sentences, publishing each step."""
 
-    def __init__(self, model_dir: Path, board: Path, nats: str, lr: float):
+    def __init__(self, model_dir: Path, board: Path, nats: str, lr: float, run: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -156,7 +240,7 @@ class Trainer:
         ids = [tok(t)["input_ids"] for t in CORPUS]
         n = max(map(len, ids))
         self.x = torch.tensor([s + [-100] * (n - len(s)) for s in ids])
-        self.pub = Publisher(str(board), RUN, "bf16", nats=nats, config_dir=model_dir)
+        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
         self.step = 0
 
     def train_step(self) -> float:
@@ -183,16 +267,19 @@ def show_error(r: httpx.Response) -> str:
 
 class EngineDemo:
     """The engine part as a context manager: entering starts nats-server, the trainer (v0 is
-    published and pulled) and the vLLM server, quietly, so that the server can boot while
+    published and pulled) and the engine's server, quietly, so that the server can boot while
     something else runs; `show()` then runs the part; leaving stops everything."""
 
     def __init__(self, work: Path, versions: int = 6, lr: float = 3e-3,
-                 vllm_python: Path | None = None):
-        self.python = vllm_python or default_vllm_python()
+                 engine: str = "vllm", python: Path | None = None):
+        if engine not in ENGINE_CLASSES:
+            raise SystemExit(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
+        self.kind, self.python = ENGINE_CLASSES[engine], python or default_python(engine)
         if not self.python.exists():
-            raise SystemExit(f"no vLLM venv at {self.python.parent.parent}: `python3 "
-                             "scripts/dev.py demo` builds it (or set STITCH_VLLM_VENV; "
-                             "--no-engine skips the engine part)")
+            raise SystemExit(f"no {self.kind.title} venv at {self.python.parent.parent}: "
+                             f"`python3 scripts/dev.py demo --engine {engine}` builds it (or set "
+                             f"STITCH_{engine.upper()}_VENV; --no-engine skips the engine part)")
+        self.run = f"demo-{engine}"
         self.work, self.versions, self.lr = work, versions, lr
         self.stack = contextlib.ExitStack()
         self.engine: Engine | None = None
@@ -206,13 +293,14 @@ class EngineDemo:
             self.board = work / "board"
             model_dir = build_tiny_model(work / "model", arch="qwen2", max_position_embeddings=256)
             self.nats = self.stack.enter_context(NatsServer(work / "nats", port=0))
-            self.trainer = Trainer(model_dir, self.board, self.nats.url, self.lr)
+            self.trainer = Trainer(model_dir, self.board, self.nats.url, self.lr, self.run)
             self.stack.callback(self.trainer.pub.close)
             self.v0 = self.trainer.publish().result(120)
-            asyncio.run(pull(LocalBoard(self.board), RUN, 0, work / "v0", work / "cache",
+            asyncio.run(pull(LocalBoard(self.board), self.run, 0, work / "v0", work / "cache",
                              quiet=True))
-            self.engine = Engine(self.python, work / "v0", work / "vllm-server.log", self.board,
-                                 self.nats.url)
+            self.engine = self.kind(self.python, work / "v0",
+                                    work / f"{self.kind.title.lower()}-server.log", self.board,
+                                    self.nats.url, self.run)
             self.stack.callback(self.engine.stop)
         except BaseException:
             self.stack.close()
@@ -221,13 +309,14 @@ class EngineDemo:
 
     def __exit__(self, typ, exc, tb) -> None:
         if typ is KeyboardInterrupt:
-            print("\ninterrupted: stopping the vLLM server and nats-server", file=sys.stderr)
+            print(f"\ninterrupted: stopping the {self.kind.title} server and nats-server",
+                  file=sys.stderr)
         elif (typ is not None and self.engine is not None
               and not (typ is SystemExit and isinstance(exc.code, int))):  # not SIGTERM
             print(f"\n--- last lines of {self.engine.log} ---\n{self.engine.tail()}\n---",
                   file=sys.stderr)
         self.stack.close()
-        print(f"\nstopped the vLLM server and nats-server ({self.work})")
+        print(f"\nstopped the {self.kind.title} server and nats-server ({self.work})")
 
     def show(self) -> None:
         engine, trainer = self.engine, self.trainer
@@ -250,8 +339,8 @@ class EngineDemo:
 
 
 def engine_demo(work: Path, versions: int = 6, lr: float = 3e-3,
-                vllm_python: Path | None = None) -> None:
-    with EngineDemo(work, versions, lr, vllm_python) as demo:
+                engine: str = "vllm", python: Path | None = None) -> None:
+    with EngineDemo(work, versions, lr, engine, python) as demo:
         demo.show()
 
 
@@ -329,12 +418,14 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=6, help="versions to publish after v0")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
-    ap.add_argument("--vllm-python", type=Path, default=None,
-                    help="python of the vLLM venv (default: $STITCH_VLLM_VENV or .venv-vllm)")
+    ap.add_argument("--engine", choices=ENGINES, default="vllm")
+    ap.add_argument("--engine-python", type=Path, default=None,
+                    help="python of the engine's venv (default: $STITCH_VLLM_VENV or "
+                         ".venv-vllm; $STITCH_SGLANG_VENV or .venv-sglang)")
     a = ap.parse_args()
     install_sigterm()
-    engine_demo(a.out or Path(tempfile.mkdtemp(prefix="stitch-demo-vllm-")), a.versions, a.lr,
-                a.vllm_python)
+    engine_demo(a.out or Path(tempfile.mkdtemp(prefix=f"stitch-demo-{a.engine}-")),
+                a.versions, a.lr, a.engine, a.engine_python)
 
 
 def install_sigterm() -> None:

@@ -12,9 +12,10 @@ wrote a constant, e.g. zeroed vocab padding; -1 where nothing was written). That
 an exact map HF position -> (engine param, flat position), stored compactly as runs.
 
 Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.
-An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend)
-keeps the canonical weight on the module as ``_stitch_master_weight``; ``engine_params`` and
-``MastersInstalled`` use it instead of the emptied ``weight``.
+An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend:
+packed linear layers, pre-packed MoE experts) keeps the canonical tensors on the module as
+``_stitch_masters`` ({attribute name: tensor}); ``engine_params`` and ``MastersInstalled`` use them
+instead of the packed parameters.
 
 A loader that transforms values instead of placing them yields a map that does not reproduce the
 engine's weights; the coordinator detects that at start-up with fingerprints
@@ -157,14 +158,13 @@ class Layout:
 # Engine parameters (with kept CPU masters substituted)
 # --------------------------------------------------------------------------- #
 def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Canonical engine params; a CPU-packed layer's kept master replaces its empty weight."""
+    """Canonical engine params; a packed layer's kept masters replace its packed params."""
     out: dict[str, torch.nn.Parameter] = {}
     for mod_name, mod in model.named_modules():
+        masters = getattr(mod, "_stitch_masters", None) or {}
         for pname, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
-            if pname == "weight" and getattr(mod, "_stitch_master_weight", None) is not None:
-                p = mod._stitch_master_weight
-            out.setdefault(full, p)
+            out.setdefault(full, masters.get(pname, p))
     # drop aliases (tied weights) keeping the first name, like named_parameters()
     seen: dict[int, str] = {}
     canon: dict[str, torch.nn.Parameter] = {}
@@ -177,23 +177,23 @@ def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 class MastersInstalled:
-    """Temporarily put kept CPU master weights back on their layers."""
+    """Temporarily put kept master tensors back on their layers (for the model's loaders)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+        self.swapped: list[tuple[torch.nn.Module, str, Any]] = []
 
     def __enter__(self):
         for mod in self.model.modules():
-            master = getattr(mod, "_stitch_master_weight", None)
-            if master is not None and mod._parameters.get("weight") is not master:
-                self.swapped.append((mod, mod._parameters["weight"]))
-                mod._parameters["weight"] = master
+            for attr, master in (getattr(mod, "_stitch_masters", None) or {}).items():
+                if mod._parameters.get(attr) is not master:
+                    self.swapped.append((mod, attr, mod._parameters.get(attr)))
+                    mod._parameters[attr] = master
         return self
 
     def __exit__(self, *exc):
-        for mod, empty in self.swapped:
-            mod._parameters["weight"] = empty
+        for mod, attr, packed in reversed(self.swapped):
+            mod._parameters[attr] = packed
         return False
 
 

@@ -1,10 +1,10 @@
 """Tiny random HF checkpoints for testing engines offline (no hub access).
 
-``build_tiny_model(out_dir, arch="qwen2"|"qwen3"|"llama", seed=0)`` writes a directory
-that ``vllm.LLM(model=out_dir)`` / ``AutoModelForCausalLM.from_pretrained`` can
+``build_tiny_model(out_dir, arch="qwen2"|"qwen3"|"qwen3_moe"|"llama", seed=0)`` writes a
+directory that ``vllm.LLM(model=out_dir)`` / ``AutoModelForCausalLM.from_pretrained`` can
 load with no network:
 
-* ``config.json``            tiny Qwen2 / Llama config (bf16, untied embeddings)
+* ``config.json``            tiny Qwen2 / Qwen3 / Qwen3-MoE / Llama config (bf16)
 * ``model.safetensors``      random bf16 weights in HF names and shapes
 * ``tokenizer.json``         byte-level BPE trained locally with ``tokenizers``
 * ``tokenizer_config.json``  PreTrainedTokenizerFast config + ChatML template
@@ -109,7 +109,27 @@ def tiny_config(arch: str = "qwen2", *, vocab_size: int = 500, hidden_size: int 
             **common,
             "tie_word_embeddings": True,
         }
-    raise ValueError(f"unknown arch {arch!r} (expected 'qwen2', 'qwen3' or 'llama')")
+    if arch == "qwen3_moe":  # Qwen3 attention + a sparse MoE block (4 experts, top-2) per layer
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "head_dim": hidden_size // num_heads,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": num_layers,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": intermediate_size // 4,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+            **common,
+        }
+    raise ValueError(f"unknown arch {arch!r} (expected 'qwen2', 'qwen3', 'qwen3_moe' or "
+                     "'llama')")
 
 
 def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -130,10 +150,18 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (h, nh * hd)
+        if "num_experts" in cfg:  # router + per-expert MLPs (engines fuse them per layer)
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            e_inter = cfg["moe_intermediate_size"]
+            for e in range(cfg["num_experts"]):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (e_inter, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (e_inter, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, e_inter)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -237,7 +265,7 @@ if __name__ == "__main__":  # pragma: no cover
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "qwen3_moe", "llama"])
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     print(build_tiny_model(a.out_dir, a.arch, a.seed))

@@ -41,6 +41,8 @@ from stitch_vllm.testmodel import build_tiny_model
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 SP = dict(temperature=0.0, max_tokens=12, logprobs=3, seed=0)
+# qwen3_moe: per-expert HF tensors land in vLLM's fused expert weights (w13 / w2 of FusedMoE)
+ARCHS = ["qwen2", "llama", "qwen3", "qwen3_moe"]
 
 
 def _engine(model_dir, dtype="bfloat16"):
@@ -122,7 +124,7 @@ def _check_layout(summary, hf_shapes, expect_vocab_pad_rows):
 def _values_through_layout(llm, hf_weights):
     """Engine values at every mapped position equal the checkpoint's (identity check)."""
     def check(worker, names_vals):
-        lay = worker._stitch_layout
+        lay = getattr(worker, "_stitch_layout", None) or worker._stitch_replica().layout
         params = L.engine_params(worker.model_runner.get_model())
         bad = []
         for name, t in names_vals.items():
@@ -143,7 +145,7 @@ def _values_through_layout(llm, hf_weights):
 def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_layout")
     out = {}
-    for arch in ("qwen2", "llama", "qwen3"):
+    for arch in ARCHS:
         a = build_tiny_model(base / f"{arch}_a", arch=arch, seed=0)
         w = load_file(str(a / "model.safetensors"))
         change = _random_change(w)
@@ -152,7 +154,7 @@ def ckpts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_patch_through_layout_matches_fresh_engine(ckpts, arch):
     a, b, change = ckpts[arch]
     hf_shapes = L.read_safetensors_shapes(a)
@@ -220,3 +222,56 @@ def test_cpu_packed_linear_keeper(ckpts):
     if not packed:
         pytest.skip("this CPU's vLLM build did not pack fp32 linear weights; "
                     "the re-pack path was not exercised (patch path was)")
+
+
+def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
+    """Qwen3-MoE end to end through the same Coordinator the servers use: the start-up proof
+    places every tensor (per-expert HF tensors inside vLLM's packed CPU expert weights, through
+    the kept masters; nothing takes the loader fallback), a published patch applies and
+    verifies, and the engine then answers like a fresh engine on the new checkpoint."""
+    import asyncio
+    import pickle
+
+    from stitch_core.board import LocalBoard
+    from stitch_core.cli_versions import pull
+    from stitch_core.coordinator import Coordinator
+    from stitch_core.versions import fetch_patch, read_manifest
+    from stitch_trainer import Publisher
+
+    a, b, _ = ckpts["qwen3_moe"]
+    board = LocalBoard(tmp_path / "board")
+    pub = Publisher(str(tmp_path / "board"), "moe", "bf16", config_dir=a)
+    try:
+        for step, src in enumerate((a, b)):
+            pub.publish(step, load_file(str(src / "model.safetensors"))).result(120)
+    finally:
+        pub.close()
+    asyncio.run(pull(board, "moe", 0, tmp_path / "v0", tmp_path / "cache", quiet=True))
+
+    llm = _engine(tmp_path / "v0")
+    try:
+        async def rpc(method, payload):
+            return [pickle.loads(r) for r in llm.collective_rpc(
+                "stitch_call", args=(method, pickle.dumps(payload)))]
+
+        async def follow():
+            coord = Coordinator(rpc, run="moe")
+            assert await coord.start(str(tmp_path / "v0")) == 0
+            assert coord.fallback == {}
+            m = await read_manifest(board, "moe", 1)
+            stats = await coord.apply_patch(m, await fetch_patch(board, m, tmp_path / "cache"))
+            assert coord.version == 1 and stats["changed"] > 0
+            return await coord.verify()
+
+        check = asyncio.run(follow())
+        assert check["ok"] is True, check
+        assert _values_through_layout(llm, load_file(str(b / "model.safetensors"))) == []
+        llm.reset_prefix_cache()
+        patched = _generate(llm)
+    finally:
+        _shutdown(llm)
+    fresh = _engine(b)
+    try:
+        assert patched == _generate(fresh)
+    finally:
+        _shutdown(fresh)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Engine apply benchmark: the pause of an in-place apply in a real vLLM engine, and
-publish -> serving latency through the real OpenAI server with the Stitch plugin.
+"""Engine apply benchmark: the pause of an in-place apply in a real engine (vLLM or SGLang), and
+publish -> serving latency through the engine's real HTTP server with the Stitch plugin.
 
 Targets (from the issue; benchmarks, not tests):
 
@@ -25,9 +25,25 @@ driver trains, publishes and pulls; every engine runs in a child process (A: thi
 ``--engine-job`` mode with an in-process engine created before anything imports numba; B: the
 OpenAI server).
 
-    /work/vllm-venv/bin/python benchmarks/engine_apply.py --quick     # ~2-3 min: tiny, B short
-    /work/vllm-venv/bin/python benchmarks/engine_apply.py             # ~3.5-5 min: 3 sizes
-    /work/vllm-venv/bin/python benchmarks/engine_apply.py --json out.json --md out.md
+    .venv-vllm/bin/python benchmarks/engine_apply.py --quick     # ~2-3 min: tiny, B short
+    .venv-vllm/bin/python benchmarks/engine_apply.py             # ~3.5-5 min: 3 sizes
+    .venv-vllm/bin/python benchmarks/engine_apply.py --json out.json --md out.md
+
+SGLang (``--engine sglang``, run with the SGLang venv's python; report
+``results/engine_apply_sglang.md``): the same A and B through the ``stitch_sglang`` plugin.
+A: the child creates an in-process ``sglang.Engine`` (CPU, torch_native attention, no CUDA graph,
+no overlap schedule, 8192 KV tokens); its TokenizerManager lives in the child, the scheduler (the
+rank, with its ``RankReplica``) is SGLang's subprocess, reached through ``SglangFollower.rpc``;
+the Coordinator holds engine steps with the follower's ``pause``/``resume``
+(``pause_generation(mode="in_place")`` / ``continue_generation``). The replica is in another
+process, so the vLLM-only columns (re-pack, fp-delta, bare gather, tensors, packed layers) are
+absent. B: ``python -m sglang.launch_server`` with the plugin's entry point and STITCH_* variables
+(as in tests/sglang); start-up waits for v0 and then for SGLang's own warm-up (/health 200).
+No CPU build of ``sgl_kernel`` exists: the stand-in ``tests/sglang/stub`` is put first on
+PYTHONPATH of every SGLang process when torch sees no CUDA device, or with ``--sgl-kernel-stub``.
+
+    .venv-sglang/bin/python benchmarks/engine_apply.py --engine sglang --quick
+    .venv-sglang/bin/python benchmarks/engine_apply.py --engine sglang
 """
 
 from __future__ import annotations
@@ -48,6 +64,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +79,40 @@ SIZES = {
     "50x": {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4,
             "intermediate_size": 1536, "vocab_size": 4000},
 }
+# sglang.Engine / launch_server settings for SGLang's CPU engine (as tests/sglang/smoke.py)
+SGLANG_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+                 "disable_overlap_schedule": True, "max_total_tokens": 8192, "random_seed": 0}
 
 
 def _engine_env(**stitch: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    for k, v in stitch.items():
+        env[f"STITCH_{k.upper()}"] = str(v)
+    return env
+
+
+def _smoke():
+    """tests/sglang/smoke.py: SGLang's CPU server environment, command line and stop."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.sglang import smoke
+
+    return smoke
+
+
+def _sglang_env(stub: bool, **stitch: str) -> dict[str, str]:
+    """An SGLang process's environment (smoke.server_env: SGLANG_USE_CPU_ENGINE=1, the stand-in
+    sgl_kernel first on PYTHONPATH), without the stand-in unless `stub`."""
+    smoke = _smoke()
+    env = smoke.server_env(1)
+    if not stub:
+        paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p and p != str(smoke.STUB)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        if not paths:
+            del env["PYTHONPATH"]
+    env["TOKENIZERS_PARALLELISM"] = "false"
     for k, v in stitch.items():
         env[f"STITCH_{k.upper()}"] = str(v)
     return env
@@ -97,80 +143,195 @@ def _fit(xs, ys) -> tuple[float, float]:
 # =========================================================================== A: engine child
 
 
-def engine_job(job_path: str) -> None:
-    """Child process: an in-process vLLM engine driven by a Coordinator through collective_rpc."""
-    job = json.loads(Path(job_path).read_text())
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in this process
-    os.environ.update({k: v for k, v in _engine_env().items() if k.startswith(("VLLM_", "TOK"))})
-    from vllm import LLM  # the engine first: nothing has imported numba yet
+class _JobEngine:
+    """An engine in the --engine-job child: RPC to its rank(s) (timed per method), the
+    Coordinator's pause/resume hooks, and per-apply instrumentation of the rank where the rank
+    lives in this process (no-ops here; see _VllmJob)."""
 
-    t0 = time.perf_counter()
-    llm = LLM(model=job["model_dir"], dtype="bfloat16", max_model_len=256, enforce_eager=True,
-              seed=0, max_num_seqs=4, worker_extension_cls=EXT, disable_log_stats=True)
-    engine_start_s = time.perf_counter() - t0
+    start_s = float("nan")
 
-    import gc
-    import pickle
+    def __init__(self) -> None:
+        self.rpc_s: dict[str, float] = {}
+        self.hooks: dict = {}  # Coordinator(pause=..., resume=...)
 
-    import stitch_core.replica as replica_mod
-    from stitch_core.board import LocalBoard
-    from stitch_core.coordinator import Coordinator
-    from stitch_core.versions import fetch_object, fetch_patch, read_manifest
+    async def _call(self, method: str, payload: dict) -> list[dict]:
+        raise NotImplementedError
 
-    rpc_s: dict[str, float] = {}
-
-    async def rpc(method: str, payload: dict) -> list[dict]:
+    async def rpc(self, method: str, payload: dict) -> list[dict]:
         t = time.perf_counter()
-        out = [pickle.loads(r) for r in
-               llm.collective_rpc("stitch_call", args=(method, pickle.dumps(payload)))]
-        rpc_s[method] = time.perf_counter() - t
+        out = await self._call(method, payload)
+        self.rpc_s[method] = time.perf_counter() - t
         return out
 
-    worker = llm.collective_rpc(lambda w: getattr(w, "worker", w))[0]
+    def run(self, coro):
+        return asyncio.run(coro)
 
-    # instrumentation (this process only, no stitch_core edits): time the re-pack hook and the
-    # fingerprint-delta calls the rank's write makes
-    class _TimedFpr:
-        def __init__(self, mod):
-            self._mod, self.seconds = mod, 0.0
+    def attach(self) -> None:
+        """After Coordinator.start (the rank's replica exists)."""
 
-        def __getattr__(self, name):
-            return getattr(self._mod, name)
+    def reset(self) -> None:
+        """Before an apply or a reload."""
 
-        def sum_at(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return self._mod.sum_at(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t
+    def row(self) -> dict:
+        """Extra columns of an applied version (after the `baseline` RPC)."""
+        return dict.fromkeys(("repack_s", "repacked_layers", "dirty_params", "fp_delta_s",
+                              "bare_gather_s", "tensors"))
 
-    timed_fpr = _TimedFpr(replica_mod.fpr)
-    replica_mod.fpr = timed_fpr
-    repack = {"seconds": 0.0, "layers": 0, "dirty": 0}
+    def reload(self) -> dict:
+        return {"repack_s": None, "repacked_layers": None}
 
-    board = LocalBoard(job["board"])
-    cache = Path(job["cache"])
-    rows: list[dict] = []
-    reloads: list[dict] = []
+    def info(self) -> dict:
+        return {"packed_layers": None, "linear_layers": None, "engine_params": None}
 
-    async def go() -> dict:
-        runs = job["runs"]
-        coord = Coordinator(rpc, run=runs[0]["run"])
+    def close(self) -> None:
+        pass
+
+
+class _TimedFpr:
+    def __init__(self, mod):
+        self._mod, self.seconds = mod, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._mod, name)
+
+    def sum_at(self, *a, **k):
         t = time.perf_counter()
-        await coord.start(job["model_dir"])
-        start_s = time.perf_counter() - t
-        rep = worker._stitch_replica()
+        try:
+            return self._mod.sum_at(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+class _VllmJob(_JobEngine):
+    """An in-process vLLM engine (engine core + worker in this process) reached through
+    collective_rpc; the rank's replica is instrumented here (no stitch_core edits): the re-pack
+    hook, the fingerprint-delta calls of the write, a bare gather."""
+
+    def __init__(self, job: dict):
+        super().__init__()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in this process
+        os.environ.update({k: v for k, v in _engine_env().items()
+                           if k.startswith(("VLLM_", "TOK"))})
+        from vllm import LLM  # the engine first: nothing has imported numba yet
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model=job["model_dir"], dtype="bfloat16", max_model_len=256,
+                       enforce_eager=True, seed=0, max_num_seqs=4, worker_extension_cls=EXT,
+                       disable_log_stats=True)
+        self.start_s = time.perf_counter() - t0
+
+        import stitch_core.replica as replica_mod
+
+        self.worker = self.llm.collective_rpc(lambda w: getattr(w, "worker", w))[0]
+        self.timed_fpr = _TimedFpr(replica_mod.fpr)
+        replica_mod.fpr = self.timed_fpr
+        self.repack = {"seconds": 0.0, "layers": 0, "dirty": 0}
+
+    async def _call(self, method: str, payload: dict) -> list[dict]:
+        import pickle
+
+        return [pickle.loads(r) for r in
+                self.llm.collective_rpc("stitch_call", args=(method, pickle.dumps(payload)))]
+
+    def attach(self) -> None:
+        rep = self.rep = self.worker._stitch_replica()
         on_dirty = rep.on_dirty
 
         def timed_dirty(dirty):
             t = time.perf_counter()
             out = on_dirty(dirty)
-            repack["seconds"] += time.perf_counter() - t
-            repack["layers"] += len(out or ())
-            repack["dirty"] += len(dirty)
+            self.repack["seconds"] += time.perf_counter() - t
+            self.repack["layers"] += len(out or ())
+            self.repack["dirty"] += len(dirty)
             return out
 
         rep.on_dirty = timed_dirty
+
+    def reset(self) -> None:
+        self.repack.update(seconds=0.0, layers=0, dirty=0)
+        self.timed_fpr.seconds = 0.0
+
+    def row(self) -> dict:
+        return {"repack_s": self.repack["seconds"], "repacked_layers": self.repack["layers"],
+                "dirty_params": self.repack["dirty"], "fp_delta_s": self.timed_fpr.seconds,
+                "bare_gather_s": self._bare_gather(), "tensors": len(self.rep._last_write)}
+
+    def reload(self) -> dict:
+        return {"repack_s": self.repack["seconds"], "repacked_layers": self.repack["layers"]}
+
+    def info(self) -> dict:
+        mods = list(self.rep.model.modules())
+        return {"packed_layers": sum(bool(getattr(m, "_stitch_cpu_packed", False)) for m in mods),
+                "linear_layers": sum(hasattr(m, "cpu_linear") for m in mods),
+                "engine_params": sum(p.numel() for p in self.rep._params().values())}
+
+    def _bare_gather(self) -> float:
+        """Best of 5: a bare `flat[eng]` of the last write's positions (one indexed read)."""
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for flat, eng in self.rep._last_write:
+                flat[eng]
+            best = min(best, time.perf_counter() - t)
+        return best
+
+
+class _SglangJob(_JobEngine):
+    """An in-process `sglang.Engine`: its TokenizerManager in this process, the scheduler (the
+    rank, with its RankReplica, installed by the plugin) a subprocess. RPC, pause and resume are
+    `stitch_sglang.server.SglangFollower`'s (the follower itself is not started)."""
+
+    def __init__(self, job: dict):
+        super().__init__()
+        import sglang  # loads the plugins (stitch_sglang's scheduler hook) in every process
+
+        t0 = time.perf_counter()
+        self.engine = sglang.Engine(model_path=job["model_dir"], **SGLANG_ENGINE)
+        self.start_s = time.perf_counter() - t0
+
+        from stitch_core.engine import Settings
+        from stitch_sglang.server import SglangFollower
+
+        self.follower = SglangFollower(self.engine.tokenizer_manager, Settings())
+        self.hooks = {"pause": self.follower.pause, "resume": self.follower.resume}
+
+    async def _call(self, method: str, payload: dict) -> list[dict]:
+        return await self.follower.rpc(method, payload)
+
+    def run(self, coro):
+        return self.engine.loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+JOB_ENGINES = {"vllm": _VllmJob, "sglang": _SglangJob}
+
+
+def engine_job(job_path: str) -> None:
+    """Child process: an in-process engine driven by a Coordinator through the engine's RPC."""
+    job = json.loads(Path(job_path).read_text())
+    eng = JOB_ENGINES[job.get("engine", "vllm")](job)  # before anything imports numba
+
+    import gc
+
+    from stitch_core.board import LocalBoard
+    from stitch_core.coordinator import Coordinator
+    from stitch_core.versions import fetch_object, fetch_patch, read_manifest
+
+    board = LocalBoard(job["board"])
+    cache = Path(job["cache"])
+    rows: list[dict] = []
+    reloads: list[dict] = []
+    rpc_s = eng.rpc_s
+
+    async def go() -> dict:
+        runs = job["runs"]
+        coord = Coordinator(eng.rpc, run=runs[0]["run"], **eng.hooks)
+        t = time.perf_counter()
+        await coord.start(job["model_dir"])
+        start_s = time.perf_counter() - t
+        eng.attach()
         for i, r in enumerate(runs):
             if i:  # back to this run's v0 through the engine's own loader: the full-reload cost
                 m0 = await read_manifest(board, r["run"], 0)
@@ -178,63 +339,43 @@ def engine_job(job_path: str) -> None:
                 for ref in m0.weights:
                     snap = (await fetch_object(board, m0, ref, cache)).parent
                 coord.run = r["run"]
-                repack.update(seconds=0.0, layers=0, dirty=0)
+                eng.reset()
                 gc.collect()
                 t = time.perf_counter()
                 await coord.load_snapshot(m0, snap)
                 reloads.append({"run": r["run"], "seconds": time.perf_counter() - t,
                                 "load_files_s": rpc_s.get("load_files"),
-                                "sums_s": rpc_s.get("sums"), "repack_s": repack["seconds"],
-                                "repacked_layers": repack["layers"]})
+                                "sums_s": rpc_s.get("sums"), **eng.reload()})
             for v in range(1, r["versions"] + 1):
                 m = await read_manifest(board, r["run"], v)
                 paths = await fetch_patch(board, m, cache)
                 gc.collect()  # outside the timers: no collection lands in one apply by chance
-                repack.update(seconds=0.0, layers=0, dirty=0)
-                timed_fpr.seconds = 0.0
+                eng.reset()
                 st = await coord.apply_patch(m, paths)
-                fp_s = timed_fpr.seconds
-                base = (await rpc("baseline", {"repeat": 5}))[0]
-                gather_bare = _bare_gather(rep)
+                base = (await eng.rpc("baseline", {"repeat": 5}))[0]
                 rows.append({
                     "run": r["run"], "lr": r["lr"], "version": v, "changed": st["changed"],
                     "total_elements": m.total_elements, "patch_bytes": st["patch_bytes"],
                     "gather_s": st["gather_s"], "gather_rank_s": st["gather_rank_s"],
                     "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
                     "pause_s": st["pause_s"], "total_s": st["total_s"],
-                    "repack_s": repack["seconds"], "repacked_layers": repack["layers"],
-                    "dirty_params": repack["dirty"], "fp_delta_s": fp_s,
                     "index_put_s": base["index_put_s"], "index_put_elements": base["elements"],
-                    "bare_gather_s": gather_bare, "tensors": len(rep._last_write),
-                    "cold": i == 0 and v == 1,
+                    **eng.row(), "cold": i == 0 and v == 1,
                 })
         t = time.perf_counter()
         check = await coord.verify()
         verify_s = time.perf_counter() - t
         if not check["ok"]:
             raise SystemExit(f"final full check failed: {check}")
-        mods = list(rep.model.modules())
         return {"start_s": start_s, "verify_s": verify_s, "version": coord.version,
-                "packed_layers": sum(bool(getattr(m, "_stitch_cpu_packed", False)) for m in mods),
-                "linear_layers": sum(hasattr(m, "cpu_linear") for m in mods),
-                "fallback": sorted(coord.fallback), "setup_rank": rpc_s.get("setup")}
+                "fallback": sorted(coord.fallback), "setup_rank": rpc_s.get("setup"),
+                **eng.info()}
 
-    def _bare_gather(rep) -> float:
-        """Best of 5: a bare `flat[eng]` of the last write's positions (one indexed read)."""
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for flat, eng in rep._last_write:
-                flat[eng]
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    info = asyncio.run(go())
-    n_params = sum(p.numel() for p in worker._stitch_replica()._params().values())
+    info = eng.run(go())
     Path(job["out"]).write_text(json.dumps({
-        "rows": rows, "reloads": reloads, "engine_start_s": engine_start_s,
-        "engine_params": n_params, **info}))
-    os._exit(0)  # skip vLLM's slow interpreter teardown
+        "rows": rows, "reloads": reloads, "engine_start_s": eng.start_s, **info}))
+    eng.close()
+    os._exit(0)  # skip the engine's slow interpreter teardown
 
 
 # =========================================================================== driver: trainer
@@ -302,13 +443,24 @@ def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: i
             "runs": runs, "out": str(d / "engine.json"), "prep_s": publish_s}
 
 
-def run_engine_job(job: dict, log: Path, timeout: float) -> dict:
+def run_engine_job(job: dict, log: Path, timeout: float, env: dict[str, str]) -> dict:
     jp = Path(job["out"]).with_suffix(".job.json")
     jp.write_text(json.dumps(job))
     with open(log, "wb") as f:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine-job",
-                            str(jp)], stdout=f, stderr=subprocess.STDOUT, env=_engine_env(),
-                           timeout=timeout, cwd=ROOT)
+        # its own process group: an engine's subprocesses (SGLang's scheduler) go with it
+        p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--engine-job",
+                              str(jp)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                             start_new_session=True)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise SystemExit(f"engine job timed out after {timeout:.0f} s; log {log}") from None
+        finally:
+            if p.poll() is None:  # interrupted: take the engine down with us
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     if p.returncode != 0 or not Path(job["out"]).exists():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise SystemExit(f"engine job failed ({p.returncode}); log {log}:\n{tail}")
@@ -328,23 +480,31 @@ class Server:
     """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
     middleware, as in tests/vllm/engines.py (TP=1, CPU)."""
 
-    def __init__(self, model_dir: Path, log: Path, **stitch: str):
+    name = "vLLM server"
+
+    def __init__(self, model_dir: Path, log: Path, *, stub: bool = False, **stitch: str):
         import httpx
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(model_dir), "--dtype", "bfloat16", "--max-model-len", "256",
-               "--enforce-eager", "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
-               "--generation-config", "vllm", "--worker-extension-cls", EXT,
-               "--middleware", "stitch_vllm.server.StitchMiddleware"]
-        env = _engine_env(**stitch)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.log = log
         self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._logf, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(model_dir), env=self.environment(stub, **stitch),
+                                     stdout=self._logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def command(self, model_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(model_dir), "--dtype", "bfloat16", "--max-model-len", "256",
+                "--enforce-eager", "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
+                "--generation-config", "vllm", "--worker-extension-cls", EXT,
+                "--middleware", "stitch_vllm.server.StitchMiddleware"]
+
+    def environment(self, stub: bool, **stitch: str) -> dict[str, str]:
+        env = _engine_env(**stitch)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        return env
 
     def status(self) -> dict | None:
         import httpx
@@ -359,26 +519,68 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"vLLM server exited ({self.proc.returncode}); log {self.log}")
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); log {self.log}")
             st = self.status()
             if st and st.get("version") == v and st.get("state") == "serving":
                 return st
             time.sleep(0.2)
         raise SystemExit(f"server not at v{v} after {timeout:.0f} s; log {self.log}")
 
+    def wait_ready(self, timeout: float) -> None:
+        """Serving the loaded version (v0)."""
+        self.wait_version(0, timeout)
+
+    def _terminate(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
     def stop(self) -> None:
         self.http.close()
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            self._terminate()
         self._logf.close()
 
 
-def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float) -> dict:
+class SglangServer(Server):
+    """`python -m sglang.launch_server` (CPU flags of tests/sglang/smoke.py) made a follower by
+    the installed plugin and STITCH_* variables, as in tests/sglang/test_server.py (TP=1)."""
+
+    name = "SGLang server"
+
+    def command(self, model_dir: Path) -> list[str]:
+        return _smoke().server_cmd(sys.executable, str(model_dir), self.port, 1,
+                                   ["--random-seed", "0"])
+
+    def environment(self, stub: bool, **stitch: str) -> dict[str, str]:
+        return _sglang_env(stub, **stitch)
+
+    def wait_ready(self, timeout: float) -> None:
+        """v0 proven, then SGLang's own warm-up (a /generate, held until v0) passed: /health."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        self.wait_version(0, timeout)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); log {self.log}")
+            try:
+                if self.http.get("/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; log {self.log}")
+
+    def _terminate(self) -> None:
+        _smoke().stop(self.proc)  # SIGTERM the launcher, wait for its group, SIGKILL leftovers
+
+
+def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
+                  server_cls: type[Server] = Server, stub: bool = False) -> dict:
     from stitch_core.board import LocalBoard
     from stitch_core.cli_versions import pull
     from stitch_core.natsserver import NatsServer
@@ -395,10 +597,11 @@ def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float) -> dic
         tr.publish().result()
         asyncio.run(pull(LocalBoard(board), run, 0, d / "v0", d / "pull-cache", quiet=True))
         t = time.perf_counter()
-        server = Server(d / "v0", d / "server.log", board=str(board), nats_url=ns.url, run=run,
-                        cache_dir=str(d / "engine-cache"), reconcile_interval="5")
+        server = server_cls(d / "v0", d / "server.log", stub=stub, board=str(board),
+                            nats_url=ns.url, run=run, cache_dir=str(d / "engine-cache"),
+                            reconcile_interval="5")
         try:
-            server.wait_version(0, timeout=600)
+            server.wait_ready(timeout=600)
             server_start_s = time.perf_counter() - t
             plan = [None] + [lr for lr in lrs for _ in range(per_lr)]  # first: warm-up (cold)
             for lr in plan:
@@ -471,53 +674,121 @@ def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float) -> dic
 # =========================================================================== report
 
 
-def report_a(sizes: dict[str, dict]) -> tuple[list[str], dict]:
-    out = ["### A. In-place apply in an in-process vLLM engine (TP=1, CPU), per applied version",
-           "",
-           "| model | lr | v | changed | changed % | patch KB | gather ms | **rank write ms** | "
-           "of which re-pack ms (layers) | fp-delta ms | rest ms | **bare index_put_ ms** | "
-           "bare gather ms | **write / index_put_** | (write - re-pack) / index_put_ | "
-           "ns per changed elem (write - re-pack) | coordinator pause ms | apply total ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+# =========================================================================== report
+
+
+def _cold(r) -> str:
+    return " (cold: first apply, JIT)" if r.get("cold") else ""
+
+
+# per applied version: (header, cell(row, size, params), which runs have it: None all of them,
+# True only those with the in-process rank probe (vLLM), False only those without (SGLang))
+A_ROW_COLS = [
+    ("model", lambda r, s, n: f"{s} ({n / 1e6:.2f}M)", None),
+    ("lr", lambda r, s, n: f"{r['lr']:.0e}", None),
+    ("v", lambda r, s, n: f"{r['version']}{_cold(r)}", None),
+    ("changed", lambda r, s, n: f"{r['changed']:,}", None),
+    ("changed %", lambda r, s, n: f"{100 * r['changed'] / r['total_elements']:.3f}", None),
+    ("patch KB", lambda r, s, n: f"{r['patch_bytes'] / 1e3:.1f}", None),
+    ("gather ms", lambda r, s, n: _ms(r["gather_s"]), True),
+    ("gather ms (on the rank)",
+     lambda r, s, n: f"{_ms(r['gather_s'])} ({_ms(r['gather_rank_s'])})", False),
+    ("**rank write ms**", lambda r, s, n: f"**{_ms(r['write_rank_s'])}**", None),
+    ("of which re-pack ms (layers)",
+     lambda r, s, n: f"{_ms(r['repack_s'])} ({r['repacked_layers']})", True),
+    ("fp-delta ms", lambda r, s, n: _ms(r["fp_delta_s"]), True),
+    ("rest ms", lambda r, s, n: _ms(r["write_rank_s"] - r["repack_s"] - r["fp_delta_s"]), True),
+    ("write RPC ms", lambda r, s, n: _ms(r["write_s"]), False),
+    ("**bare index_put_ ms**", lambda r, s, n: f"**{_ms(r['index_put_s'])}**", None),
+    ("bare gather ms", lambda r, s, n: _ms(r.get("bare_gather_s")), True),
+    ("**write / index_put_**", lambda r, s, n: f"**{r['ratio']:.1f}**", None),
+    ("(write - re-pack) / index_put_", lambda r, s, n: f"{r['ratio_norepack']:.1f}", True),
+    ("ns per changed elem (write - re-pack)", lambda r, s, n: f"{r['ns_per_elem']:.0f}", True),
+    ("ns per changed elem (rank write)", lambda r, s, n: f"{r['ns_per_elem']:.0f}", False),
+    ("coordinator pause ms", lambda r, s, n: _ms(r["pause_s"]), None),
+    ("apply total ms", lambda r, s, n: _ms(r["total_s"]), None),
+]
+
+
+def _by_lr(d: dict) -> str:
+    return ", ".join(f"{lr}: {v:.1f}" for lr, v in d.items())
+
+
+def _fits(s: dict) -> str:
+    return f"a={_ms(s['fit_fixed_s'])}, b={1e9 * s['fit_ns_per_elem']:.0f}"
+
+
+# per model: (header, cell(size, summary), which runs have it, as above)
+A_MODEL_COLS = [
+    ("model", lambda z, s: z, None),
+    ("params", lambda z, s: f"{s['params'] / 1e6:.2f}M", None),
+    ("tensors written", lambda z, s: f"{s['tensors']}", True),
+    ("packed linear layers", lambda z, s: f"{s['packed_layers']} of {s['linear_layers']}", True),
+    ("median write / index_put_ (max)",
+     lambda z, s: f"{s['median_ratio']:.1f} ({s['max_ratio']:.1f})", None),
+    ("median (write - re-pack) / index_put_",
+     lambda z, s: f"{s['median_ratio_norepack']:.1f}", True),
+    ("re-pack share of write", lambda z, s: f"{100 * s['repack_share']:.0f}%", True),
+    ("median rank write ms by lr", lambda z, s: _by_lr(s["write_ms_by_lr"]), None),
+    ("write - re-pack = a + b * changed (fit to the per-lr medians): a ms, b ns/elem",
+     lambda z, s: _fits(s), True),
+    ("rank write = a + b * changed (fit to the per-lr medians): a ms, b ns/elem",
+     lambda z, s: _fits(s), False),
+    ("same fit for bare index_put_",
+     lambda z, s: f"a={_ms(s['index_put_fit_fixed_s'])}, "
+                  f"b={1e9 * s['index_put_fit_ns_per_elem']:.0f}", None),
+    ("full reload via the engine's loader ms (+ full sums)",
+     lambda z, s: f"{_ms(s['reload_load_files_s'])} ({_ms(s['reload_s'])})", None),
+    ("full fingerprint check ms", lambda z, s: _ms(s["verify_s"]), None),
+]
+
+
+def _table(cols, probe: bool) -> tuple[list[str], list]:
+    cols = [c for c in cols if c[2] is None or c[2] == probe]
+    return ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)], cols
+
+
+def _probed(sizes: dict[str, dict]) -> bool:
+    """The rows carry the in-process rank probe's columns (vLLM's job)."""
+    return all(r.get("repack_s") is not None for res in sizes.values() for r in res["rows"])
+
+
+def report_a(sizes: dict[str, dict], title: str) -> tuple[list[str], dict]:
+    probe = _probed(sizes)
+    head, cols = _table(A_ROW_COLS, probe)
+    out = [f"### A. {title}, per applied version", "", *head]
     summary: dict = {}
     for size, res in sizes.items():
         n = res["rows"][0]["total_elements"] if res["rows"] else 0
         for r in res["rows"]:
-            w, rp, fp, ip = r["write_rank_s"], r["repack_s"], r["fp_delta_s"], r["index_put_s"]
+            w, ip = r["write_rank_s"], r["index_put_s"]
+            rp = r["repack_s"] or 0.0  # no probe: nothing to take out
             r["ratio"] = w / ip if ip else float("nan")
-            r["ratio_norepack"] = (w - rp) / ip if ip else float("nan")
+            r["ratio_norepack"] = ((w - rp) / ip if ip else float("nan")) if probe else None
             r["ns_per_elem"] = 1e9 * (w - rp) / max(1, r["changed"])
-            tag = " (cold: first apply, JIT)" if r.get("cold") else ""
-            out.append(
-                f"| {size} ({n / 1e6:.2f}M) | {r['lr']:.0e} | {r['version']}{tag} | "
-                f"{r['changed']:,} | {100 * r['changed'] / r['total_elements']:.3f} | "
-                f"{r['patch_bytes'] / 1e3:.1f} | {_ms(r['gather_s'])} | **{_ms(w)}** | "
-                f"{_ms(rp)} ({r['repacked_layers']}) | {_ms(fp)} | {_ms(w - rp - fp)} | "
-                f"**{_ms(ip)}** | {_ms(r.get('bare_gather_s'))} | **{r['ratio']:.1f}** | "
-                f"{r['ratio_norepack']:.1f} | {r['ns_per_elem']:.0f} | {_ms(r['pause_s'])} | "
-                f"{_ms(r['total_s'])} |")
+            out.append("| " + " | ".join(c[1](r, size, n) for c in cols) + " |")
         rows = [r for r in res["rows"] if not r.get("cold")]
         rl = res["reloads"]
         # a + b * changed, fitted through the per-lr medians (one spike cannot tilt it)
         lr_set = sorted({r["lr"] for r in rows})
         by_lr = [[r for r in rows if r["lr"] == lr] for lr in lr_set]
         xs = [_med([r["changed"] for r in g]) for g in by_lr]
-        fixed, per_elem = _fit(xs, [_med([r["write_rank_s"] - r["repack_s"] for r in g])
+        fixed, per_elem = _fit(xs, [_med([r["write_rank_s"] - (r["repack_s"] or 0.0) for r in g])
                                     for g in by_lr])
         ip_fixed, ip_per_elem = _fit(xs, [_med([r["index_put_s"] for r in g]) for g in by_lr])
         summary[size] = {
             "fit_fixed_s": fixed, "fit_ns_per_elem": per_elem,
             "index_put_fit_fixed_s": ip_fixed, "index_put_fit_ns_per_elem": ip_per_elem,
-            "tensors": max((r.get("tensors", 0) for r in rows), default=0),
+            "tensors": max((r.get("tensors") or 0 for r in rows), default=0),
             "params": n,
             "packed_layers": res.get("packed_layers"), "linear_layers": res.get("linear_layers"),
             "median_ratio": _med([r["ratio"] for r in rows]),
             "max_ratio": max((r["ratio"] for r in rows), default=None),
-            "median_ratio_norepack": _med([r["ratio_norepack"] for r in rows]),
+            "median_ratio_norepack": _med([r["ratio_norepack"] for r in rows]) if probe else None,
             "median_write_s": _med([r["write_rank_s"] for r in rows]),
             "median_repack_s": _med([r["repack_s"] for r in rows]),
             "repack_share": (sum(r["repack_s"] for r in rows)
-                             / max(1e-12, sum(r["write_rank_s"] for r in rows))),
+                             / max(1e-12, sum(r["write_rank_s"] for r in rows))) if probe else None,
             "ns_per_elem_by_lr": {f"{lr:.0e}": _med([r["ns_per_elem"] for r in rows
                                                      if r["lr"] == lr])
                                   for lr in sorted({r["lr"] for r in rows})},
@@ -526,33 +797,18 @@ def report_a(sizes: dict[str, dict]) -> tuple[list[str], dict]:
                                for lr in sorted({r["lr"] for r in rows})},
             "reload_s": min((x["seconds"] for x in rl), default=None),
             "reload_load_files_s": min((x["load_files_s"] or 0 for x in rl), default=None),
-            "reload_repack_s": min((x["repack_s"] for x in rl), default=None),
+            "reload_repack_s": min((x["repack_s"] for x in rl), default=None) if probe else None,
             "verify_s": res["verify_s"], "engine_start_s": res["engine_start_s"],
         }
-    out += ["", "Per model (cold first apply excluded):", "",
-            "| model | params | tensors written | packed linear layers | median write / "
-            "index_put_ (max) | median (write - re-pack) / index_put_ | re-pack share of write | "
-            "median rank write ms by lr | write - re-pack = a + b * changed (fit to the per-lr "
-            "medians): a ms, b ns/elem | "
-            "same fit for bare index_put_ | full reload via the engine's loader ms "
-            "(+ full sums) | full fingerprint check ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for size, s in summary.items():
-        wl = ", ".join(f"{lr}: {v:.1f}" for lr, v in s["write_ms_by_lr"].items())
-        out.append(
-            f"| {size} | {s['params'] / 1e6:.2f}M | {s['tensors']} | {s['packed_layers']} of "
-            f"{s['linear_layers']} | {s['median_ratio']:.1f} ({s['max_ratio']:.1f}) | "
-            f"{s['median_ratio_norepack']:.1f} | {100 * s['repack_share']:.0f}% | {wl} | "
-            f"a={_ms(s['fit_fixed_s'])}, b={1e9 * s['fit_ns_per_elem']:.0f} | "
-            f"a={_ms(s['index_put_fit_fixed_s'])}, b={1e9 * s['index_put_fit_ns_per_elem']:.0f} "
-            f"| {_ms(s['reload_load_files_s'])} ({_ms(s['reload_s'])}) | {_ms(s['verify_s'])} |")
+    head, cols = _table(A_MODEL_COLS, probe)
+    out += ["", "Per model (cold first apply excluded):", "", *head]
+    out += ["| " + " | ".join(c[1](size, s) for c in cols) + " |" for size, s in summary.items()]
     return out, summary
 
 
-def report_b(res: dict) -> tuple[list[str], dict]:
+def report_b(res: dict, title: str) -> tuple[list[str], dict]:
     rows = res["rows"]
-    out = ["### B. Publish -> serving on loopback (real nats-server, OpenAI server + plugin, "
-           "test model)", "",
+    out = [f"### B. {title}", "",
            "| v | lr | changed % | patch KB | publish() returns ms | on board + announced ms | "
            "**serving ms** | serving after publish() returned ms | engine apply ms | "
            "gather ms (on the rank) | write = pause ms (rank write) | decode + verify ms | "
@@ -599,8 +855,39 @@ def report_b(res: dict) -> tuple[list[str], dict]:
     return out, s
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What differs between the engines in the driver and the report."""
+
+    name: str
+    md: str  # default report, under benchmarks/results
+    title: str  # of the report
+    a_title: str
+    b_title: str
+    server: type[Server]
+    notes: str
+
+    version: Callable[[bool], str]  # (stub) -> engine and version for the machine line
+    job_env: Callable[[bool], dict[str, str]]  # (stub) -> environment of the A child
+
+
+def _vllm_version(stub: bool) -> str:
+    import vllm
+
+    return f"vLLM {vllm.__version__} (CPU backend)"
+
+
+def _sglang_version(stub: bool) -> str:
+    from importlib.metadata import version
+
+    return (f"SGLang {version('sglang')} (CPU engine, torch_native attention"
+            f"{', stand-in sgl_kernel' if stub else ''})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="vllm",
+                    help="engine and plugin under test (run with that engine's venv python)")
     ap.add_argument("--quick", action="store_true",
                     help="small run (~2-3 min): the test model only, 2 lrs, short B")
     ap.add_argument("--sizes", default=None, help=f"comma list of {list(SIZES)}")
@@ -612,11 +899,15 @@ def main() -> None:
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
                     help="OMP_WAIT_POLICY for every process ('' leaves libgomp's spinning "
                          "default; see the notes)")
+    ap.add_argument("--sgl-kernel-stub", action="store_true",
+                    help="SGLang: put the stand-in sgl_kernel (tests/sglang/stub) first on "
+                         "PYTHONPATH even when CUDA is available (always without CUDA)")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--json", help="write all measurements as JSON here")
-    ap.add_argument("--md", default=str(ROOT / "benchmarks/results/engine_apply.md"),
-                    help="markdown report ('' for none)")
+    ap.add_argument("--md", default=None,
+                    help="markdown report ('' for none; default benchmarks/results/"
+                         "engine_apply.md, engine_apply_sglang.md for SGLang)")
     ap.add_argument("--md-append", action="store_true",
                     help="append this run to the markdown report as an additional run")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -625,6 +916,9 @@ def main() -> None:
     if a.engine_job:
         engine_job(a.engine_job)
         return
+    spec = ENGINES[a.engine]
+    if a.md is None:
+        a.md = str(ROOT / "benchmarks/results" / spec.md)
     sizes = (a.sizes or ("tiny" if a.quick else "tiny,10x,50x")).split(",")
     lrs = [float(x) for x in (a.lrs or ("1e-5,1e-4" if a.quick else "1e-6,1e-5,1e-4")).split(",")]
     versions = a.versions or (2 if a.quick else 3)
@@ -640,15 +934,15 @@ def main() -> None:
                              *sys.argv[1:]])
     load0 = os.getloadavg()
     import torch
-    import vllm
 
+    stub = spec.name == "sglang" and (a.sgl_kernel_stub or not torch.cuda.is_available())
     machine = (f"{platform.machine()} {os.cpu_count()} CPUs, no GPU, torch {torch.__version__}, "
-               f"vLLM {vllm.__version__} (CPU backend), OMP_WAIT_POLICY="
+               f"{spec.version(stub)}, OMP_WAIT_POLICY="
                f"{a.omp_wait_policy or '(unset)'}, load average at start {load0[0]:.2f}")
     print(cmd)
     print(machine, flush=True)
     work = Path(tempfile.mkdtemp(prefix="stitch-engine-bench-"))
-    res: dict = {"command": cmd, "machine": machine, "A": {}, "B": None}
+    res: dict = {"command": cmd, "machine": machine, "engine": spec.name, "A": {}, "B": None}
     lines: list[str] = []
     summary: dict = {}
     try:
@@ -656,21 +950,23 @@ def main() -> None:
             for size in sizes:
                 t = time.perf_counter()
                 job = prepare_size(work, size, SIZES[size], lrs, versions)
+                job["engine"] = spec.name
                 print(f"A/{size}: trained + published {len(lrs)} x {versions} versions in "
                       f"{job['prep_s']:.1f} s; starting the engine", flush=True)
-                r = run_engine_job(job, work / f"engine-{size}.log", timeout=900)
+                r = run_engine_job(job, work / f"engine-{size}.log", timeout=900,
+                                   env=spec.job_env(stub))
                 r["prep_s"] = job["prep_s"]
                 res["A"][size] = r
                 print(f"A/{size}: done in {time.perf_counter() - t:.1f} s (engine start "
                       f"{r['engine_start_s']:.1f} s)", flush=True)
-            la, summary["A"] = report_a(res["A"])
+            la, summary["A"] = report_a(res["A"], spec.a_title)
             lines += la + [""]
         if not a.skip_b:
             t = time.perf_counter()
-            res["B"] = serve_latency(work, serve_lrs, serve_versions, a.poll)
+            res["B"] = serve_latency(work, serve_lrs, serve_versions, a.poll, spec.server, stub)
             print(f"B: done in {time.perf_counter() - t:.1f} s (server start "
                   f"{res['B']['server_start_s']:.1f} s)", flush=True)
-            lb, summary["B"] = report_b(res["B"])
+            lb, summary["B"] = report_b(res["B"], spec.b_title)
             lines += lb + [""]
     finally:
         if not a.keep:
@@ -681,14 +977,20 @@ def main() -> None:
     load1 = os.getloadavg()
     res["summary"], res["total_s"] = summary, total
     verdict = []
-    if "A" in summary:
-        for size, s in summary["A"].items():
+    for size, s in summary.get("A", {}).items():
+        meets = "meets" if s["median_ratio"] <= 5 else "misses"
+        if s["median_ratio_norepack"] is None:  # no re-pack to take out (SGLang)
             verdict.append(
                 f"* A/{size}: rank write / bare index_put_ median {s['median_ratio']:.1f}x "
-                f"({'meets' if s['median_ratio'] <= 5 else 'misses'} <= 5x); without the CPU "
-                f"re-pack {s['median_ratio_norepack']:.1f}x "
-                f"({'meets' if s['median_ratio_norepack'] <= 5 else 'misses'} <= 5x); re-pack is "
-                f"{100 * s['repack_share']:.0f}% of the write.")
+                f"({meets} <= 5x), max {s['max_ratio']:.1f}x; rank write = "
+                f"{_ms(s['fit_fixed_s'])} ms + {1e9 * s['fit_ns_per_elem']:.0f} ns x changed.")
+            continue
+        verdict.append(
+            f"* A/{size}: rank write / bare index_put_ median {s['median_ratio']:.1f}x "
+            f"({meets} <= 5x); without the CPU "
+            f"re-pack {s['median_ratio_norepack']:.1f}x "
+            f"({'meets' if s['median_ratio_norepack'] <= 5 else 'misses'} <= 5x); re-pack is "
+            f"{100 * s['repack_share']:.0f}% of the write.")
     if "B" in summary:
         s = summary["B"]
         verdict.append(f"* B: publish -> serving median {_ms(s['median_serve_s'])} ms, max "
@@ -710,9 +1012,10 @@ def main() -> None:
             md = [p.read_text().rstrip("\n"), "", "## Additional run", "", *run_md, *verdict,
                   "", *[ln.replace("### ", "#### ", 1) for ln in lines]]
         else:
-            md = ["# Engine apply: pause vs patch size, publish -> serving", "",
+            md = [f"# {spec.title}", "",
                   "Generated by `benchmarks/engine_apply.py` (read its docstring for the method).",
-                  "", *run_md, "## Verdict", "", *verdict, "", "## Results", "", *lines, NOTES]
+                  "", *run_md, "## Verdict", "", *verdict, "", "## Results", "", *lines,
+                  spec.notes]
         p.write_text("\n".join(md) + "\n")
         print(f"wrote {a.md}")
 
@@ -760,6 +1063,76 @@ NOTES = """## How to read it
   5-30x slower than the same calls in A and publish -> serving erratic (see the additional run
   with `--omp-wait-policy ''` below, when present). This is an artifact of too few cores, not of
   Stitch; a GPU server with cores to spare does not see it."""
+
+
+NOTES_SGLANG = """## How to read it
+
+* **Process layout.** A: the `--engine-job` child creates an in-process `sglang.Engine` (CPU
+  engine, torch_native attention, no CUDA graph, no overlap schedule, 8192 KV tokens); its
+  TokenizerManager is in that child, the rank (SGLang's scheduler, with the plugin's
+  `RankReplica`) is SGLang's subprocess. The Coordinator runs in the child and reaches the rank
+  through `SglangFollower.rpc` (a `StitchCallReqInput` over SGLang's ZMQ scheduler channel,
+  handled between engine steps); it holds engine steps with the follower's `pause`/`resume`
+  (`pause_generation(mode="in_place")`, `continue_generation`). The follower itself is not
+  started (no gate, no board polling). B: `python -m sglang.launch_server` with the installed
+  plugin entry point and STITCH_* variables; the follower runs in SGLang's HTTP process.
+* **A, columns.** *rank write*: `RankReplica.write` in the scheduler process (the engine pause,
+  as reported in the apply stats `write_rank_s`): index_put_ of the new bits, read-back and
+  compare, fingerprint delta, then the `on_dirty` hook (a no-op for SGLang: no re-pack).
+  *gather* / *write RPC*: the Coordinator's gather and write calls as it sees them (pickling +
+  the ZMQ round trip to the scheduler included; the write also checks the ranks' fingerprint
+  deltas); in parentheses the gather on the rank. *bare index_put_*: `RankReplica.baseline`
+  through the same RPC (dispatch `baseline`, best of 5): the same elements, engine positions and
+  tensors, in the scheduler process, right after the apply. *coordinator pause*: what the
+  Coordinator held: `pause_generation` + the write RPC + `continue_generation`. *apply total*:
+  the whole `apply_patch` (position decode, gather, value decode + verification, write). The
+  replica lives in another process, so the vLLM run's in-process columns (re-pack, fp-delta,
+  bare gather, tensors written, packed layers) are not measured here; the fit is of the whole
+  rank write.
+* **A, baselines of model size.** *full reload*: the `load_files` RPC (the model's own
+  `load_weights` in the scheduler) when the benchmark switches to the next learning rate's run
+  (its v0); *total* adds `pause_generation`/`continue_generation` and the full fingerprint
+  recomputation that `load_snapshot` does. *full fingerprint check*: `Coordinator.verify()` at
+  the end (every version applied was also verified against its manifest on the way).
+* **B.** Times from just before `Publisher.publish()`; *on board + announced* is when the
+  version's future resolved (trainer side: diff + encode + board write + NATS announce); the
+  engine's breakdown is `/stitch/status` `last_apply` (Coordinator stats); *notify + fetch +
+  poll* = serving - on board - engine apply (NATS delivery, the follower's fetch from the board
+  directory, and the 10 ms poll granularity; slightly negative when the engine finished before
+  the trainer's future resolved). The follower's reconcile timer is 5 s, so the announcement is
+  what triggers each apply. Gather and write are as the Coordinator sees them (RPC from the HTTP
+  process into SGLang's scheduler process included); in parentheses the time on the rank. The
+  pause also covers setting SGLang's `weight_version` (`after_apply`, while steps are held).
+  Server start-up is counted until v0 is proven and SGLang's own warm-up request (held until
+  then) passed, i.e. `/health` answers 200.
+* **B, baseline** (same run, same weights, outside the timers above): a fresh `Publisher` (no
+  base, so snapshot only, no patch encode) publishes the same model state as a full snapshot to
+  a second board, then `stitch pull` of that version into a fresh directory with a fresh cache
+  (fetch, checksum, full fingerprints, write the checkpoint). That is the full-checkpoint path up
+  to the point where the engine would reload; the engine's own reload of this model (A, "tiny")
+  comes on top.
+* The trainer (transformers, fp32 masters, AdamW, weight decay 0.01, batches of 4 x 32 random
+  tokens) runs in this driver process; the engines run in child processes, as for vLLM.
+* **sgl_kernel.** No CPU build of `sglang-kernel` exists; without CUDA (or with
+  `--sgl-kernel-stub`) the stand-in `tests/sglang/stub` is first on PYTHONPATH of every SGLang
+  process (dense models on torch_native call none of its functions; any call would raise).
+* **OMP_WAIT_POLICY=PASSIVE** is set for every process by default, as in the vLLM run."""
+
+
+ENGINES = {
+    "vllm": EngineSpec(
+        "vllm", "engine_apply.md", "Engine apply: pause vs patch size, publish -> serving",
+        "In-place apply in an in-process vLLM engine (TP=1, CPU)",
+        "Publish -> serving on loopback (real nats-server, OpenAI server + plugin, test model)",
+        Server, NOTES, _vllm_version, lambda stub: _engine_env()),
+    "sglang": EngineSpec(
+        "sglang", "engine_apply_sglang.md",
+        "Engine apply (SGLang): pause vs patch size, publish -> serving",
+        "In-place apply in an in-process SGLang engine (`sglang.Engine`, scheduler subprocess, "
+        "TP=1, CPU)",
+        "Publish -> serving on loopback (real nats-server, SGLang HTTP server + plugin, test "
+        "model)", SglangServer, NOTES_SGLANG, _sglang_version, _sglang_env),
+}
 
 
 if __name__ == "__main__":

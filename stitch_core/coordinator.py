@@ -42,6 +42,7 @@ from .checkpoint import open_checkpoint
 from .layout import read_safetensors_shapes
 from .manifest import Manifest
 from .patch import PatchSet, _chunk_list, _decode, apply_entry, check_compatible, check_digests
+from .replica import index_dtype
 from .stp import PatchError, PatchReader
 from .versions import Step
 
@@ -184,7 +185,8 @@ class Coordinator:
                 aid = uuid.uuid4().hex
                 t_g = time.perf_counter()
                 gathered = await self.rpc("gather", {"id": aid, "positions": {
-                    n: p.numpy().tobytes() for n, (p, _) in plan["placed"].items()}})
+                    n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0])))).tobytes()
+                    for n, (p, _) in plan["placed"].items()}})
                 gather_s = time.perf_counter() - t_g
                 new, fb_new = await asyncio.to_thread(self._decode_all, patch, plan, gathered)
             finally:
@@ -252,8 +254,8 @@ class Coordinator:
             for g in gathered:
                 idx_b, bits_b = g["old"][name]
                 bits = torch.frombuffer(bytearray(bits_b), dtype=dt.int_dtype)
-                idx = (torch.arange(pos.numel()) if idx_b is None
-                       else torch.frombuffer(bytearray(idx_b), dtype=torch.int64))
+                idx = (torch.arange(pos.numel()) if idx_b is None else torch.from_numpy(
+                    np.frombuffer(idx_b, dtype=index_dtype(pos.numel())).astype(np.int64)))
                 old[idx] = bits
                 held[idx] = True
             if not bool(held.all()):

@@ -46,6 +46,12 @@ class ReplicaError(RuntimeError):
 _INEXACT = 0x9E3779B97F4A7C15  # added to a sum per engine value that is not a served-view value
 
 
+def index_dtype(bound: int) -> type[np.signedinteger]:
+    """Wire dtype of positions / indices below `bound` in the rank RPC: int32 when they fit (every
+    tensor under 2**31 elements), else int64. Both ends derive it from the tensor's size."""
+    return np.int32 if bound <= 2**31 else np.int64
+
+
 def _hf_bits(vals: torch.Tensor, hf_dtype: torch.dtype) -> torch.Tensor:
     """Integer bits of engine values as the HF dtype (exact for same or widened dtypes)."""
     if vals.dtype != hf_dtype:
@@ -175,7 +181,8 @@ class RankReplica:
             tm = layout.tensors.get(name)
             if tm is None:
                 raise ReplicaError(f"{name}: not a tensor of this model's layout")
-            pos = torch.from_numpy(np.frombuffer(pb, dtype=np.int64).copy())
+            pos = torch.from_numpy(
+                np.frombuffer(pb, dtype=index_dtype(tm.hf_numel)).astype(np.int64))
             if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
                 raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
             idt = dtypes.info(tm.hf_dtype).int_dtype
@@ -204,7 +211,8 @@ class RankReplica:
                 plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
             self._plan[name] = (pos.numel(), plan)
             all_held = bool(held.all())
-            idx = None if all_held else held.nonzero().squeeze(1).numpy().tobytes()
+            idx = (None if all_held else held.nonzero().squeeze(1).numpy()
+                   .astype(index_dtype(pos.numel())).tobytes())
             out[name] = (idx, old_bits[held].numpy().tobytes())
         return {"old": out, "seconds": time.perf_counter() - t0}
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -231,38 +229,11 @@ def worker(work: Path, rank: int) -> None:
 
 def _launch(work: Path, script: str = __file__, world: int = WORLD) -> None:
     """Run `script WORK RANK` as `world` processes; fail with their logs if any fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    if sys.platform == "linux":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    for r in range(world):
-        log = open(work / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, script, str(work), str(r)], stdout=log, stderr=log, env=env
-            )
-        )
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * world:
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}):\n" + (work / f"rank{r}.log").read_text()[-4000:]
-            for r, c in enumerate(codes)
-        )
-        pytest.fail(f"workers failed or timed out: {codes}\n{tails}")
+    from .ranks import rank_env, run_ranks  # the parent only (ranks run this file as a script)
+
+    env = rank_env(PYTHONHASHSEED="0")
+    run_ranks(work, world, lambda r: [sys.executable, script, str(work), str(r)],
+              lambda r: env, TIMEOUT)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

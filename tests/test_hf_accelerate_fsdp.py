@@ -20,9 +20,7 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -178,46 +176,14 @@ def _free_port() -> int:
 
 def _launch(work: Path) -> None:
     """torchrun's environment for WORLD processes running this file; fail with their logs."""
-    base = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(WORLD),
-        "LOCAL_WORLD_SIZE": str(WORLD),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",  # nothing may be downloaded
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if sys.platform == "linux":
-        base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    for r in range(WORLD):
-        log = open(work / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(
-            subprocess.Popen([sys.executable, __file__, str(work)], stdout=log, stderr=log, env=env)
-        )
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * WORLD:
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}):\n" + (work / f"rank{r}.log").read_text()[-4000:]
-            for r, c in enumerate(codes)
-        )
-        pytest.fail(f"workers failed or timed out: {codes}\n{tails}")
+    from .ranks import rank_env, run_ranks  # the parent only (ranks run this file as a script)
+
+    base = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                    WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                    HF_HUB_OFFLINE="1",  # nothing may be downloaded
+                    TOKENIZERS_PARALLELISM="false")
+    run_ranks(work, WORLD, lambda r: [sys.executable, __file__, str(work)],
+              lambda r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -10,53 +10,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import httpx
-import torch
 
 from .smoke import free_port, server_cmd, server_env, stop
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
 TOP = 3
-
-
-class Trainer:
-    """A real HF model trained with AdamW on random tokens, publishing every step (as in
-    tests/vllm/test_server.py)."""
-
-    def __init__(self, model_dir, board, nats, run: str):
-        from transformers import AutoModelForCausalLM
-
-        from stitch_trainer import Publisher
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3)
-        self.g = torch.Generator().manual_seed(0)
-        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
-        self.step = 0
-        self.lock = threading.Lock()
-
-    def view(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(torch.bfloat16).clone()
-                for k, v in self.model.state_dict().items() if k != "lm_head.weight"
-                or not self.model.config.tie_word_embeddings}
-
-    def publish(self) -> int:
-        with self.lock:
-            if self.step:
-                x = torch.randint(0, self.model.config.vocab_size, (4, 16), generator=self.g)
-                loss = self.model(input_ids=x, labels=x).loss
-                self.opt.zero_grad()
-                loss.backward()
-                self.opt.step()
-            v = self.pub.publish(self.step, self.model).result().version
-            self.step += 1
-            return v
 
 
 def engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[str, str]:

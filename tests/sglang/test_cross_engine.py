@@ -30,7 +30,8 @@ from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_core.versions import read_manifest  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
-from .engines import Engine, Server, Trainer, free_port  # noqa: E402
+from ..engine_common import Trainer  # noqa: E402
+from .engines import Engine, Server, free_port  # noqa: E402
 
 RUN = "sg-cross"
 

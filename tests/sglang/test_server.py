@@ -17,7 +17,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
@@ -25,12 +24,11 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 from stitch_core import fingerprint as fpr  # noqa: E402
 from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
-from stitch_core.manifest import Manifest  # noqa: E402
-from stitch_core.patch import diff  # noqa: E402
-from stitch_core.versions import object_ref, read_manifest, write_version  # noqa: E402
+from stitch_core.versions import read_manifest  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
-from .engines import PROMPTS, Server, Trainer, fresh_outputs  # noqa: E402
+from ..engine_common import Trainer, forge_next_version, wait_rejected  # noqa: E402
+from .engines import PROMPTS, Server, fresh_outputs  # noqa: E402
 
 RUN = "sg-e2e"
 COMPARE = [4, 10]  # each fresh engine costs a start-up (~1-2.5 min on 2 cores)
@@ -210,59 +208,19 @@ def test_forged_version_is_refused_and_serving_continues(stack):
     """A version whose patch does not produce its manifest's fingerprints is refused; the engine
     keeps serving the last good version and recovers once the board holds a good one."""
     server, trainer, root = stack["server"], stack["trainer"], stack["root"]
-    board = LocalBoard(root / "board")
     v = server.status()["version"]
-    good = asyncio.run(read_manifest(board, RUN, v))
-    # what the trainer would publish next, written by hand so it can be forged first
-    with trainer.lock:
-        cur = trainer.view()
-        assert good.fingerprints == fpr.state_fingerprints(cur)
-        nxt = {k: t.clone() for k, t in cur.items()}
-        other = {k: t.clone() for k, t in cur.items()}
-        for t in nxt.values():
-            t.view(-1)[::97] = (t.view(-1)[::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
-        for t in other.values():
-            t.view(-1)[::89] = (t.view(-1)[::89].float() * 0.99 - 1e-3).to(torch.bfloat16)
-        stage = root / "forged"
-        stage.mkdir()
-        (stage / "bad").mkdir()
-        (stage / "good").mkdir()
-        kw = dict(run=RUN, base_version=v, target_version=v + 1, view="bf16")
-        diff(cur, other, **kw).write(stage / "bad" / "patch.stp")
-        diff(cur, nxt, **kw).write(stage / "good" / "patch.stp")
-        fps = fpr.state_fingerprints(nxt)
-        tensors = [t.model_copy(update={"fingerprint": fpr.fmt(fps[t.name])})
-                   for t in good.tensors]
-
-        def manifest(which):
-            ref = object_ref(stage / which / "patch.stp", "patch")
-            return Manifest(run=RUN, version=v + 1, parent=v, kind="patch", view="bf16",
-                            created=good.created, producer="test", tensors=tensors,
-                            digest=fpr.digest((t.name, t.dtype, tuple(t.shape), fps[t.name])
-                                              for t in tensors),
-                            objects=[ref], total_elements=good.total_elements)
-
-        asyncio.run(write_version(board, manifest("bad"), {"patch.stp": stage / "bad" /
-                                                           "patch.stp"}, expected_latest=v))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            st = server.status()
-            if (st.get("follower") or {}).get("last_error"):
-                break
-            time.sleep(0.2)
-        st = server.status()
-        assert "rejected" in st["follower"]["last_error"], st
-        assert st["version"] == v and st["latest"] == v + 1 and st["state"] == "catching_up"
-        r = server.generate("Hello")  # still serving v, and says so (SGLang's field too)
-        assert r.status_code == 200 and r.json()["stitch"]["version_end"] == v
-        assert r.json()["meta_info"]["weight_version"] == str(v)
-        r = server.complete("Hello", {"X-Stitch-Min-Version": str(v + 1)})
-        assert r.status_code == 409
-        assert server.http.post("/stitch/verify").json()["ok"] is True  # untouched
-        # the board is repaired (an operator re-uploads the right objects)
-        vdir = root / "board" / RUN / "versions" / f"{v + 1:06d}"
-        (vdir / "patch.stp").write_bytes((stage / "good" / "patch.stp").read_bytes())
-        (vdir / "manifest.json").write_text(manifest("good").model_dump_json(indent=1))
-        st = server.wait_version(v + 1, timeout=60)
-        assert st["fingerprint_check"]["ok"] is True
-        assert server.http.post("/stitch/verify").json()["ok"] is True
+    forged = forge_next_version(trainer, root / "board", RUN, v, root / "forged")
+    forged.publish_bad()
+    st = wait_rejected(server.status)
+    assert "rejected" in st["follower"]["last_error"], st
+    assert st["version"] == v and st["latest"] == v + 1 and st["state"] == "catching_up"
+    r = server.generate("Hello")  # still serving v, and says so (SGLang's field too)
+    assert r.status_code == 200 and r.json()["stitch"]["version_end"] == v
+    assert r.json()["meta_info"]["weight_version"] == str(v)
+    r = server.complete("Hello", {"X-Stitch-Min-Version": str(v + 1)})
+    assert r.status_code == 409
+    assert server.http.post("/stitch/verify").json()["ok"] is True  # untouched
+    forged.repair()  # an operator re-uploads the right objects
+    st = server.wait_version(v + 1, timeout=60)
+    assert st["fingerprint_check"]["ok"] is True
+    assert server.http.post("/stitch/verify").json()["ok"] is True

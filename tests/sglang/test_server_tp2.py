@@ -20,7 +20,8 @@ from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
-from .engines import Server, Trainer, fresh_outputs  # noqa: E402
+from ..engine_common import Trainer  # noqa: E402
+from .engines import Server, fresh_outputs  # noqa: E402
 
 RUN = "sg-tp2"
 

@@ -19,13 +19,14 @@ from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
+from ..engine_common import Trainer  # noqa: E402
 from .engines import Server, fresh_outputs  # noqa: E402
-from .test_server import RUN, Trainer  # noqa: E402
+from .test_server import RUN  # noqa: E402
 
 
 def test_tp2_engine_follows_and_matches_a_fresh_tp2_engine(tmp_path, nats_server):
     model_dir = build_tiny_model(tmp_path / "model", arch="qwen2")
-    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url)
+    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN)
     server = None
     try:
         assert trainer.publish() == 0

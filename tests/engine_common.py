@@ -1,0 +1,121 @@
+"""Parts shared by the engine suites (tests/vllm and tests/sglang run in venvs of their own, both
+with stitch installed and transformers available): the trainer that publishes a run, and a
+forged version for the "refuse, keep serving, recover" tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stitch_core import fingerprint as fpr
+from stitch_core.board import LocalBoard
+from stitch_core.manifest import Manifest
+from stitch_core.patch import diff
+from stitch_core.versions import object_ref, read_manifest, write_version
+
+
+class Trainer:
+    """A real HF model trained by transformers with AdamW on random tokens, publishing every
+    step (v0 is the untrained model)."""
+
+    def __init__(self, model_dir, board, nats: str, run: str, lr: float = 2e-3):
+        from transformers import AutoModelForCausalLM
+
+        from stitch_trainer import Publisher
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.g = torch.Generator().manual_seed(0)
+        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
+        self.step = 0
+        self.lock = threading.Lock()
+
+    def view(self) -> dict[str, torch.Tensor]:
+        """The served bf16 view of the current weights (what the Publisher ships)."""
+        return {k: v.detach().to(torch.bfloat16).clone()
+                for k, v in self.model.state_dict().items() if k != "lm_head.weight"
+                or not self.model.config.tie_word_embeddings}
+
+    def publish(self) -> int:
+        """Train one step (none for v0), publish, wait until it is on the board."""
+        with self.lock:
+            if self.step:
+                x = torch.randint(0, self.model.config.vocab_size, (4, 16), generator=self.g)
+                loss = self.model(input_ids=x, labels=x).loss
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+            v = self.pub.publish(self.step, self.model).result().version
+            self.step += 1
+            return v
+
+
+@dataclass
+class ForgedVersion:
+    """Version v + 1 written by hand: its manifest claims the fingerprints of a real next state,
+    but the patch first put on the board produces another state (a forged or corrupted upload).
+    `repair()` puts the right patch and manifest in place, as an operator would."""
+
+    board_dir: Path
+    run: str
+    version: int
+    stage: Path
+    bad: Manifest
+    good: Manifest
+
+    def publish_bad(self) -> None:
+        asyncio.run(write_version(LocalBoard(self.board_dir), self.bad,
+                                  {"patch.stp": self.stage / "bad" / "patch.stp"},
+                                  expected_latest=self.version - 1))
+
+    def repair(self) -> None:
+        vdir = self.board_dir / self.run / "versions" / f"{self.version:06d}"
+        (vdir / "patch.stp").write_bytes((self.stage / "good" / "patch.stp").read_bytes())
+        (vdir / "manifest.json").write_text(self.good.model_dump_json(indent=1))
+
+
+def forge_next_version(trainer: Trainer, board_dir: Path, run: str, v: int,
+                       stage: Path) -> ForgedVersion:
+    """Forge v + 1 on top of the trainer's current state, which must be version v."""
+    good = asyncio.run(read_manifest(LocalBoard(board_dir), run, v))
+    with trainer.lock:
+        cur = trainer.view()
+    assert good.fingerprints == fpr.state_fingerprints(cur)
+    nxt = {k: t.clone() for k, t in cur.items()}
+    other = {k: t.clone() for k, t in cur.items()}
+    for t in nxt.values():
+        t.view(-1)[::97] = (t.view(-1)[::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
+    for t in other.values():
+        t.view(-1)[::89] = (t.view(-1)[::89].float() * 0.99 - 1e-3).to(torch.bfloat16)
+    (stage / "bad").mkdir(parents=True)
+    (stage / "good").mkdir()
+    kw = dict(run=run, base_version=v, target_version=v + 1, view="bf16")
+    diff(cur, other, **kw).write(stage / "bad" / "patch.stp")
+    diff(cur, nxt, **kw).write(stage / "good" / "patch.stp")
+    fps = fpr.state_fingerprints(nxt)
+    tensors = [t.model_copy(update={"fingerprint": fpr.fmt(fps[t.name])}) for t in good.tensors]
+
+    def manifest(which: str) -> Manifest:
+        ref = object_ref(stage / which / "patch.stp", "patch")
+        return Manifest(run=run, version=v + 1, parent=v, kind="patch", view="bf16",
+                        created=good.created, producer="test", tensors=tensors,
+                        digest=fpr.digest((t.name, t.dtype, tuple(t.shape), fps[t.name])
+                                          for t in tensors),
+                        objects=[ref], total_elements=good.total_elements)
+
+    return ForgedVersion(board_dir, run, v + 1, stage, manifest("bad"), manifest("good"))
+
+
+def wait_rejected(status, timeout: float = 60.0) -> dict:
+    """Poll `status()` (an engine's /stitch/status) until its follower reports an error."""
+    deadline = time.monotonic() + timeout
+    st = status()
+    while time.monotonic() < deadline and not (st.get("follower") or {}).get("last_error"):
+        time.sleep(0.2)
+        st = status()
+    return st

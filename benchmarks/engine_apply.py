@@ -78,6 +78,11 @@ SIZES = {
     # ~55x the test model (23M params)
     "50x": {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4,
             "intermediate_size": 1536, "vocab_size": 4000},
+    # the shapes of Qwen2.5-0.5B (0.63B params with an untied lm_head; random weights): not in
+    # the default run (its trainer needs ~10 GB and minutes per step on 2 cores), for
+    # `--sizes q05b --lrs 1e-6 --versions 2 --skip-b`
+    "q05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
+             "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 256},
 }
 # sglang.Engine / launch_server settings for SGLang's CPU engine (as tests/sglang/smoke.py)
 SGLANG_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import fingerprint as fpr
+from . import protocol
 from .board import Board, open_board
 from .manifest import Announcement, Heartbeat, Manifest, check_run
 from .patch import apply as apply_patch
@@ -72,19 +73,11 @@ class Follower:
 
     @property
     def state(self) -> str:
-        if self.applying:
-            return "applying"
-        if self.version is None:
-            return "not_ready"
-        if self.latest is not None and self.latest > self.version:
-            return "catching_up"
-        return "serving"
+        return protocol.engine_state(self.applying, self.version, self.latest)
 
     @property
     def lag(self) -> int | None:
-        if self.version is None or self.latest is None:
-            return None
-        return max(0, self.latest - self.version)
+        return protocol.lag(self.version, self.latest)
 
     def status(self) -> dict:
         return {"id": self.id, "run": self.run, "version": self.version, "latest": self.latest,

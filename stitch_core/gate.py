@@ -129,19 +129,11 @@ class VersionGate:
 
     @property
     def state(self) -> str:
-        if self._pending is not None:
-            return "applying"
-        if self.version is None:
-            return "not_ready"
-        if self.latest is not None and self.latest > self.version:
-            return "catching_up"
-        return "serving"
+        return protocol.engine_state(self._pending is not None, self.version, self.latest)
 
     @property
     def lag(self) -> int | None:
-        if self.version is None or self.latest is None:
-            return None
-        return max(0, self.latest - self.version)
+        return protocol.lag(self.version, self.latest)
 
     @property
     def in_flight(self) -> int:

@@ -132,6 +132,27 @@ def parse_request(headers: HeaderSource, max_wait: float = DEFAULT_MAX_WAIT) -> 
     return VersionRequest(exact=exact, minimum=minimum, wait=wait)
 
 
+EngineState = Literal["not_ready", "applying", "catching_up", "serving"]
+
+
+def engine_state(applying: bool, version: int | None, latest: int | None) -> EngineState:
+    """The `state` of `/stitch/status` (and of a follower's heartbeat)."""
+    if applying:
+        return "applying"
+    if version is None:
+        return "not_ready"
+    if latest is not None and latest > version:
+        return "catching_up"
+    return "serving"
+
+
+def lag(version: int | None, latest: int | None) -> int | None:
+    """Versions published beyond the one served (None while either is unknown)."""
+    if version is None or latest is None:
+        return None
+    return max(0, latest - version)
+
+
 def satisfies(version: int | None, exact: int | None, minimum: int | None) -> bool:
     """Whether serving `version` gives a request what it asked for."""
     if version is None:

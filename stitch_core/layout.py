@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._jit import numba
+
 __all__ = [
     "Segment",
     "TensorMap",
@@ -259,10 +261,8 @@ def learn_layout(
 
                 def index_tensors(g_hf=g_hf, bases=bases):
                     for i, n in enumerate(g_hf):
-                        shape = shapes[n][0]
-                        numel = int(np.prod(shape, dtype=np.int64))
-                        yield n, (torch.arange(numel, dtype=torch.int64)
-                                  + int(bases[i])).reshape(shape)
+                        yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
+                                              dtype=torch.int64).reshape(shapes[n][0])
 
                 loaded = model.load_weights(index_tensors())
             finally:
@@ -281,18 +281,17 @@ def learn_layout(
 
             for pn, sh in shadows.items():
                 flat = sh.view(-1).cpu().numpy()
-                pos_mask = flat > 0
-                const[pn] = int((flat == 0).sum())
-                unwritten[pn] = int((flat < 0).sum())
-                eng = np.nonzero(pos_mask)[0].astype(np.int64)
-                vals = flat[pos_mask]
-                if not len(vals):
-                    continue
-                tid = np.searchsorted(bases, vals, side="right") - 1
+                n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
+                    _scan_runs(flat, bases)
+                if n_foreign:
+                    raise RuntimeError(
+                        f"layout learning: {n_foreign} elements of {pn} hold values no index "
+                        "tensor of its group carries (a loader that computes with the values?)")
+                const[pn], unwritten[pn] = int(n_const), int(n_unwritten)
                 for t in np.unique(tid):
                     sel = tid == t
-                    hf_pos = vals[sel] - bases[t]
-                    tensors[g_hf[t]].segments.extend(_runs(pn, hf_pos, eng[sel]))
+                    tensors[g_hf[t]].segments.extend(
+                        _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
                 del flat
             shadows.clear()
 
@@ -306,25 +305,76 @@ def learn_layout(
     )
 
 
-def _runs(param: str, hf_pos: np.ndarray, eng_pos: np.ndarray) -> list[Segment]:
-    order = np.lexsort((eng_pos, hf_pos))
-    hf_pos, eng_pos = hf_pos[order], eng_pos[order]
-    # occurrence index of each hf position (0 for the first engine copy, 1, ...)
-    if len(hf_pos) > 1 and np.any(hf_pos[1:] == hf_pos[:-1]):
-        first = np.r_[True, hf_pos[1:] != hf_pos[:-1]]
-        grp_start = np.maximum.accumulate(np.where(first, np.arange(len(hf_pos)), 0))
-        occ = np.arange(len(hf_pos)) - grp_start
-    else:
-        occ = np.zeros(len(hf_pos), dtype=np.int64)
-    segs = []
-    for k in np.unique(occ):
-        h, e = hf_pos[occ == k], eng_pos[occ == k]
-        brk = np.r_[True, (np.diff(h) != 1) | (np.diff(e) != 1)]
-        starts = np.nonzero(brk)[0]
-        lengths = np.diff(np.r_[starts, len(h)])
-        segs.append(Segment(param, h[starts].astype(np.int64), e[starts].astype(np.int64),
-                            lengths.astype(np.int64)))
-    return segs
+@numba.njit(cache=True, nogil=True)
+def _scan_runs(flat, bases):
+    """One pass over a filled int64 shadow (engine order): its runs of consecutive index values
+    at consecutive engine positions within one tensor of the group. Returns (constant count,
+    unwritten count, foreign count, run tensor ids, HF starts, engine starts, lengths). Values:
+    -1 never written, 0 a constant from a loader, v in [bases[t], bases[t+1]) HF element
+    v - bases[t] of tensor t, anything else foreign."""
+    n = flat.shape[0]
+    lo, hi = bases[0], bases[bases.shape[0] - 1]
+    n_const = n_unwritten = n_foreign = n_runs = 0
+    prev, end = np.int64(-2), np.int64(0)  # last value of the open run; its tensor's end
+    for i in range(n):  # pass 1: count
+        v = flat[i]
+        if v < lo or v >= hi:
+            if v == 0:
+                n_const += 1
+            elif v < 0:
+                n_unwritten += 1
+            else:
+                n_foreign += 1
+            prev = -2
+        elif v == prev + 1 and v < end:
+            prev = v
+        else:
+            n_runs += 1
+            end = bases[np.searchsorted(bases, v, side="right")]
+            prev = v
+    tid = np.empty(n_runs, np.int64)
+    hf_start = np.empty(n_runs, np.int64)
+    eng_start = np.empty(n_runs, np.int64)
+    length = np.zeros(n_runs, np.int64)
+    r, prev, end = -1, np.int64(-2), np.int64(0)
+    for i in range(n):  # pass 2: fill
+        v = flat[i]
+        if v < lo or v >= hi:
+            prev = -2
+        elif v == prev + 1 and v < end:
+            length[r] += 1
+            prev = v
+        else:
+            r += 1
+            t = np.searchsorted(bases, v, side="right") - 1
+            tid[r], hf_start[r], eng_start[r], length[r] = t, v - bases[t], i, 1
+            end = bases[t + 1]
+            prev = v
+    return n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length
+
+
+def _segments(param: str, hf_start: np.ndarray, eng_start: np.ndarray,
+              length: np.ndarray) -> list[Segment]:
+    """Runs of one HF tensor in one param -> Segments with non-overlapping HF ranges, sorted by
+    HF start (a loader that writes an element to several places of the param yields one
+    Segment per copy: runs go to the first Segment they do not overlap)."""
+    order = np.lexsort((eng_start, hf_start))
+    hf_start, eng_start, length = hf_start[order], eng_start[order], length[order]
+    hf_end = hf_start + length
+    if len(hf_start) < 2 or not np.any(hf_start[1:] < np.maximum.accumulate(hf_end)[:-1]):
+        return [Segment(param, hf_start, eng_start, length)]
+    groups: list[list[int]] = []
+    ends: list[int] = []
+    for i in range(len(hf_start)):  # rare (duplicated elements): a short loop over runs
+        for g, e in enumerate(ends):
+            if hf_start[i] >= e:
+                groups[g].append(i)
+                ends[g] = int(hf_end[i])
+                break
+        else:
+            groups.append([i])
+            ends.append(int(hf_end[i]))
+    return [Segment(param, hf_start[g], eng_start[g], length[g]) for g in map(np.array, groups)]
 
 
 # --------------------------------------------------------------------------- #

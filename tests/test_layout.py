@@ -1,0 +1,116 @@
+"""stitch_core.layout on a small engine-style module whose loaders fuse, slice, pad, duplicate and
+transpose: the learned map must send every HF element exactly where the loaders put it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stitch_core import layout as L
+
+H, V, VPAD = 6, 10, 12  # hidden, vocab, padded vocab rows
+
+
+class Engine(torch.nn.Module):
+    """TP rank `rank` of 2: q/k fused into one param (rows sliced per rank), o_proj column-sliced
+    (one run per row), a norm written twice into one param (replicated halves), an embedding with
+    zeroed padding rows, and an lm_head stored transposed (one element per run)."""
+
+    def __init__(self, rank: int = 0):
+        super().__init__()
+        self.rank = rank
+        self.qk = torch.nn.Parameter(torch.zeros(2 * H // 2, H))  # q rows of this rank + k rows
+        self.o = torch.nn.Parameter(torch.zeros(H, H // 2))
+        self.norm2 = torch.nn.Parameter(torch.zeros(2 * H))
+        self.embed = torch.nn.Parameter(torch.zeros(VPAD, H))
+        self.head_t = torch.nn.Parameter(torch.zeros(H, V))
+
+    def load_weights(self, weights):
+        half = H // 2
+        r = self.rank
+        for name, w in weights:
+            if name == "q.weight":
+                self.qk.data[:half].copy_(w[r * half:(r + 1) * half])
+            elif name == "k.weight":
+                self.qk.data[half:].copy_(w[r * half:(r + 1) * half])
+            elif name == "o.weight":
+                self.o.data.copy_(w[:, r * half:(r + 1) * half])
+            elif name == "norm.weight":
+                self.norm2.data[:H].copy_(w)
+                self.norm2.data[H:].copy_(w)
+            elif name == "embed.weight":
+                self.embed.data[:V].copy_(w)
+                self.embed.data[V:].fill_(0)
+            elif name == "head.weight":
+                self.head_t.data.copy_(w.t())
+        return None
+
+
+SHAPES = {"q.weight": (H, H), "k.weight": (H, H), "o.weight": (H, H), "norm.weight": (H,),
+          "embed.weight": (V, H), "head.weight": (V, H)}
+
+
+def _hf_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
+
+
+def _engine(rank: int, w: dict[str, torch.Tensor]) -> Engine:
+    e = Engine(rank).to(torch.bfloat16)
+    e.load_weights(w.items())
+    return e
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_learned_map_places_every_element_where_the_loaders_do(rank):
+    w = _hf_weights()
+    eng = _engine(rank, w)
+    lay = L.learn_layout(eng, {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
+    params = dict(eng.named_parameters())
+    for name, tm in lay.tensors.items():
+        flat = w[name].reshape(-1)
+        for seg in tm.segments:
+            pos = torch.arange(flat.numel())
+            ok, where = seg.locate(pos)
+            assert torch.equal(params[seg.param].data.reshape(-1)[where], flat[ok]), name
+            # segments hold disjoint, sorted HF ranges
+            assert (seg.hf_start[1:] >= seg.hf_start[:-1] + seg.length[:-1]).all()
+    mapped = lay.summary()["hf_mapped"]
+    half = H * H // 2
+    assert mapped == {"q.weight": half, "k.weight": half, "o.weight": half,
+                      "norm.weight": 2 * H, "embed.weight": V * H, "head.weight": V * H}
+    assert [len(s.length) for s in lay.tensors["o.weight"].segments] == [H]  # a run per row
+    assert len(lay.tensors["norm.weight"].segments) == 2  # one Segment per copy
+    assert lay.param_const["embed"] == (VPAD - V) * H
+    assert all(n == 0 for n in lay.param_unwritten.values())
+    # the engine's own weights are back after learning
+    assert torch.equal(eng.embed.data[:V], w["embed.weight"])
+
+
+def test_apply_through_the_map_equals_loading_the_new_weights():
+    w = _hf_weights(0)
+    eng = _engine(1, w)
+    lay = L.learn_layout(eng, {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
+    new = {n: t.clone() for n, t in w.items()}
+    chunks = []
+    g = torch.Generator().manual_seed(1)
+    for n, t in new.items():
+        pos = torch.unique(torch.randint(0, t.numel(), (7,), generator=g))
+        t.view(-1)[pos] = (t.view(-1)[pos].float() * 2 + 1).to(torch.bfloat16)
+        chunks.append((n, pos, t.view(-1)[pos]))
+    L.apply_chunks(eng, lay, chunks)
+    want = _engine(1, new)
+    for (n, p), (_, q) in zip(eng.named_parameters(), want.named_parameters(), strict=True):
+        assert torch.equal(p.data.view(torch.int16), q.data.view(torch.int16)), n
+
+
+def test_a_loader_that_computes_with_the_values_is_refused():
+    class Scaling(Engine):
+        def load_weights(self, weights):
+            for name, w in weights:
+                if name == "embed.weight":
+                    self.embed.data[:V].copy_(w * 3)  # values no index tensor carries
+            return None
+
+    with pytest.raises(RuntimeError, match="hold values no index tensor"):
+        L.learn_layout(Scaling(), {"embed.weight": ((V, H), torch.bfloat16)})

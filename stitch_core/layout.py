@@ -103,14 +103,34 @@ class Segment:
 
     def locate(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask into ``pos`` of positions this segment holds, their engine positions)."""
-        hs = torch.from_numpy(self.hf_start)
-        idx = torch.searchsorted(hs, pos, right=True) - 1
-        ok = idx >= 0
-        idx = idx.clamp_min(0)
-        start = hs[idx]
-        ok &= pos < start + torch.from_numpy(self.length)[idx]
-        eng = torch.from_numpy(self.eng_start)[idx] + (pos - start)
-        return ok, eng[ok]
+        p = pos.detach().cpu().to(torch.int64).numpy()
+        ok = np.empty(len(p), dtype=np.bool_)
+        eng = np.empty(len(p), dtype=np.int64)
+        n = _locate(self.hf_start, self.eng_start, self.length, p, ok, eng)
+        return torch.from_numpy(ok), torch.from_numpy(eng[:n])
+
+
+@numba.njit(cache=True, nogil=True)
+def _locate(hf_start, eng_start, length, pos, ok, eng) -> int:
+    """For each HF position: is it in a run, and where in the engine. One pass; sorted positions
+    (what patches carry) walk the runs, others binary-search them. Returns the count held."""
+    r = hf_start.shape[0]
+    n = 0
+    j = -1
+    for i in range(pos.shape[0]):
+        p = pos[i]
+        if not (j >= 0 and hf_start[j] <= p and (j + 1 == r or p < hf_start[j + 1])):
+            if j + 1 < r and hf_start[j + 1] <= p and (j + 2 >= r or p < hf_start[j + 2]):
+                j += 1
+            else:
+                j = np.searchsorted(hf_start, p, side="right") - 1
+        if j >= 0 and p < hf_start[j] + length[j]:
+            ok[i] = True
+            eng[n] = eng_start[j] + (p - hf_start[j])
+            n += 1
+        else:
+            ok[i] = False
+    return n
 
 
 @dataclass

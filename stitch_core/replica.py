@@ -186,7 +186,7 @@ class RankReplica:
             if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
                 raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
             idt = dtypes.info(tm.hf_dtype).int_dtype
-            held = torch.zeros(pos.numel(), dtype=torch.bool)
+            held: torch.Tensor | None = None  # None: nothing held yet; all held: old_bits whole
             old_bits = torch.zeros(pos.numel(), dtype=idt)
             plan = []
             for seg in tm.segments:
@@ -200,20 +200,29 @@ class RankReplica:
                 bits = bits_d.cpu()
                 if eng.numel() == pos.numel():  # this segment holds every position (TP=1)
                     sel, hpos = None, pos
-                    old_bits[~held] = bits[~held]
-                    held[:] = True
+                    if held is None:
+                        old_bits = bits
+                    else:
+                        old_bits[~held] = bits[~held]
+                    held = torch.ones(pos.numel(), dtype=torch.bool)
                 else:
                     sel = ok.nonzero().squeeze(1)
                     hpos = pos[sel]
+                    if held is None:
+                        held = torch.zeros(pos.numel(), dtype=torch.bool)
                     first = ~held[sel]
                     old_bits[sel[first]] = bits[first]
                     held[sel] = True
                 plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
             self._plan[name] = (pos.numel(), plan)
-            all_held = bool(held.all())
-            idx = (None if all_held else held.nonzero().squeeze(1).numpy()
-                   .astype(index_dtype(pos.numel())).tobytes())
-            out[name] = (idx, old_bits[held].numpy().tobytes())
+            if held is None:
+                held = torch.zeros(pos.numel(), dtype=torch.bool)
+            if bool(held.all()):
+                out[name] = (None, old_bits.numpy().tobytes())
+            else:
+                idx = held.nonzero().squeeze(1)
+                out[name] = (idx.numpy().astype(index_dtype(pos.numel())).tobytes(),
+                             old_bits[idx].numpy().tobytes())
         return {"old": out, "seconds": time.perf_counter() - t0}
 
     def write(self, apply_id: str, values: Mapping[str, bytes]) -> dict[str, Any]:

@@ -114,3 +114,28 @@ def test_a_loader_that_computes_with_the_values_is_refused():
 
     with pytest.raises(RuntimeError, match="hold values no index tensor"):
         L.learn_layout(Scaling(), {"embed.weight": ((V, H), torch.bfloat16)})
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_locate_matches_a_vectorised_reference(sort):
+    """Segment.locate (one numba pass) against the searchsorted formulation, on random runs with
+    gaps and random positions (sorted, as patches carry them, or not)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 20, 300)
+    gaps = rng.integers(0, 5, 300)
+    hf_start = np.cumsum(gaps + np.r_[0, lengths[:-1]]).astype(np.int64)
+    eng_start = rng.permutation(300).astype(np.int64) * 100
+    seg = L.Segment("p", hf_start, eng_start, lengths.astype(np.int64))
+    pos = torch.from_numpy(rng.integers(-3, int(hf_start[-1] + lengths[-1] + 5), 5000))
+    if sort:
+        pos = pos.sort().values
+    ok, eng = seg.locate(pos)
+    hs = torch.from_numpy(hf_start)
+    idx = torch.searchsorted(hs, pos, right=True) - 1
+    want_ok = (idx >= 0) & (pos < hs[idx.clamp_min(0)] + torch.from_numpy(seg.length)[
+        idx.clamp_min(0)])
+    want_eng = (torch.from_numpy(eng_start)[idx.clamp_min(0)] + pos - hs[idx.clamp_min(0)])
+    assert torch.equal(ok, want_ok) and torch.equal(eng, want_eng[want_ok])
+    assert 0 < int(ok.sum()) < len(pos)

@@ -745,6 +745,8 @@ A_MODEL_COLS = [
     ("full reload via the engine's loader ms (+ full sums)",
      lambda z, s: f"{_ms(s['reload_load_files_s'])} ({_ms(s['reload_s'])})", None),
     ("full fingerprint check ms", lambda z, s: _ms(s["verify_s"]), None),
+    ("engine start s", lambda z, s: f"{s['engine_start_s']:.1f}", None),
+    ("Stitch start-up: layout learning + full sums s", lambda z, s: f"{s['start_s']:.1f}", None),
 ]
 
 
@@ -804,6 +806,7 @@ def report_a(sizes: dict[str, dict], title: str) -> tuple[list[str], dict]:
             "reload_load_files_s": min((x["load_files_s"] or 0 for x in rl), default=None),
             "reload_repack_s": min((x["repack_s"] for x in rl), default=None) if probe else None,
             "verify_s": res["verify_s"], "engine_start_s": res["engine_start_s"],
+            "start_s": res["start_s"],
         }
     head, cols = _table(A_MODEL_COLS, probe)
     out += ["", "Per model (cold first apply excluded):", "", *head]
@@ -1043,7 +1046,10 @@ NOTES = """## How to read it
   its own loader (`load_files`, incl. re-packing every layer) when the benchmark switches to the
   next learning rate's run (its v0); *total* adds the full fingerprint recomputation that
   `load_snapshot` does. *full fingerprint check*: `Coordinator.verify()` at the end (every
-  version applied was also verified against its manifest on the way).
+  version applied was also verified against its manifest on the way). *engine start*: the
+  engine object's construction (weights loaded, KV cache allocated); *Stitch start-up*:
+  `Coordinator.start` on the pulled v0 (every rank learns its layout map through the model's
+  loaders and sums its weights; the sums are checked against the manifest's fingerprints).
 * **B.** Times from just before `Publisher.publish()`; *on board + announced* is when the
   version's future resolved (trainer side: diff + encode + board write + NATS announce); the
   engine's breakdown is `/stitch/status` `last_apply` (Coordinator stats); *notify + fetch +
@@ -1098,7 +1104,11 @@ NOTES_SGLANG = """## How to read it
   `load_weights` in the scheduler) when the benchmark switches to the next learning rate's run
   (its v0); *total* adds `pause_generation`/`continue_generation` and the full fingerprint
   recomputation that `load_snapshot` does. *full fingerprint check*: `Coordinator.verify()` at
-  the end (every version applied was also verified against its manifest on the way).
+  the end (every version applied was also verified against its manifest on the way). *engine
+  start*: the engine object's construction (weights loaded, KV cache allocated); *Stitch
+  start-up*:
+  `Coordinator.start` on the pulled v0 (every rank learns its layout map through the model's
+  loaders and sums its weights; the sums are checked against the manifest's fingerprints).
 * **B.** Times from just before `Publisher.publish()`; *on board + announced* is when the
   version's future resolved (trainer side: diff + encode + board write + NATS announce); the
   engine's breakdown is `/stitch/status` `last_apply` (Coordinator stats); *notify + fetch +

@@ -77,8 +77,11 @@ def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
 class Coordinator:
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
-                 after_apply: VersionHook | None = None):
+                 after_apply: VersionHook | None = None, loader_fallback: bool = False):
         self.rpc = rpc
+        # tensors the layout map does not place exactly: refuse (default), or update them through
+        # the engine's own loader, which nothing can read back to verify
+        self.loader_fallback = loader_fallback
         self.run = run
         self.gate = gate
         self.metrics = metrics
@@ -122,6 +125,13 @@ class Coordinator:
         replies = await self.rpc("setup", {"shapes": self.shapes})
         self.ranks = len(replies)
         placed, fallback = self._classify(replies, want)
+        if fallback and not self.loader_fallback:
+            raise EngineStateError(
+                f"{len(fallback)} tensors are not held where the layout map puts them (a loader "
+                "or a post-load step transforms them, e.g. quantisation or kernel repacking), so "
+                f"the engine's copy cannot be verified: {', '.join(sorted(fallback)[:5])}"
+                f"{' ...' if len(fallback) > 5 else ''}. STITCH_LOADER_FALLBACK=1 updates them "
+                "through the engine's own loader instead, unverified")
         if fallback:
             host = await asyncio.to_thread(_load_host, model_dir, set(fallback))
             bad = [n for n in fallback if n not in host or fpr.fingerprint(n, host[n]) != want[n]]

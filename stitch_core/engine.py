@@ -48,6 +48,7 @@ class Settings(BaseModel):
     reconcile_interval: float = 5.0
     pause_steps: bool = True  # hold engine steps while ranks write (verified before resuming)
     verify_interval: float = 0.0  # seconds between full fingerprint checks (0: start-up only)
+    loader_fallback: bool = False  # tensors the map cannot place: load unverified (else refuse)
     engine_id: str | None = None
     engine_url: str | None = None  # advertised in heartbeats
     region: str | None = None
@@ -120,7 +121,8 @@ class EngineFollower:
             self.coord = Coordinator(
                 self.rpc, run=run, gate=self.gate,
                 pause=self.pause if s.pause_steps else None,
-                resume=self.resume if s.pause_steps else None, after_apply=self.after_apply)
+                resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
+                loader_fallback=s.loader_fallback)
             version = await self.coord.start(self.model_dir)
         except Exception as e:
             self.error = f"start-up check failed: {e}"

@@ -76,7 +76,7 @@ async def _start(root: Path, views, world: int, version: int = 0, name: str = "p
         await pull(LocalBoard(root / "board"), RUN, version, d, root / "cache", quiet=True)
     engines = _engines(world, views[version])
     replicas = [RankReplica(e, rank_info={"rank": i}) for i, e in enumerate(engines)]
-    coord = Coordinator(_rpc(replicas), run=RUN)
+    coord = Coordinator(_rpc(replicas), run=RUN, loader_fallback=True)
     assert await coord.start(d) == version
     return engines, replicas, coord
 
@@ -217,7 +217,7 @@ async def test_engine_started_from_plain_files_waits_for_a_snapshot(published, t
     (plain / "stitch-manifest.json").unlink()
     engines = _engines(2, views[0])
     replicas = [RankReplica(e) for e in engines]
-    coord = Coordinator(_rpc(replicas), run=RUN)
+    coord = Coordinator(_rpc(replicas), run=RUN, loader_fallback=True)
     assert await coord.start(plain) is None
     assert coord.check["ok"] is True and sorted(coord.fallback) == ["model.layers.1.scale"]
     board = LocalBoard(root / "board")
@@ -225,3 +225,15 @@ async def test_engine_started_from_plain_files_waits_for_a_snapshot(published, t
     assert await f.sync() == N - 1
     assert f.applied == [0, *range(1, N)]  # the snapshot, then every patch
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[N - 1]), strict=True))
+
+
+async def test_unplaceable_tensors_are_refused_unless_the_loader_fallback_is_allowed(published):
+    """By default a tensor the layout map cannot place (here: a loader that scales its values)
+    stops the start: the engine's copy could not be verified."""
+    root, views = published
+    d = root / "pulled-refuse"
+    await pull(LocalBoard(root / "board"), RUN, 0, d, root / "cache", quiet=True)
+    coord = Coordinator(_rpc([RankReplica(e) for e in _engines(1, views[0])]), run=RUN)
+    with pytest.raises(EngineStateError, match=r"model\.layers\.1\.scale.*STITCH_LOADER_FALLBACK"):
+        await coord.start(d)
+    assert coord.version is None

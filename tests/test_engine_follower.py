@@ -82,7 +82,8 @@ async def test_engine_follower_serves_versions_through_the_middleware(tmp_path):
     for e in engines:
         e.load_weights(iter(load_file(tmp_path / "v0" / "model.safetensors").items()))
     settings = Settings.from_env({"STITCH_BOARD": str(board), "STITCH_RECONCILE_INTERVAL": "0.2",
-                                  "STITCH_CACHE_DIR": str(tmp_path / "ecache")})
+                                  "STITCH_CACHE_DIR": str(tmp_path / "ecache"),
+                                  "STITCH_LOADER_FALLBACK": "1"})  # the toy's scaled tensor
     follower = ToyFollower(settings, tmp_path / "v0", [RankReplica(e) for e in engines])
 
     class Middleware(FollowerMiddleware):

@@ -91,6 +91,7 @@ class Coordinator:
         self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self.mult: dict[str, int] = {}  # copies of each element across all ranks
         self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
+        self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
         self.ranks = 0
         self.check: dict[str, Any] = {"ok": None}
         self.last_apply: dict[str, Any] | None = None
@@ -103,7 +104,7 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         return {"fingerprint_check": self.check, "last_apply": self.last_apply,
                 "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
-                "fallback_tensors": sorted(self.fallback)}
+                "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld}
 
     # ------------------------------------------------------------ start-up
 
@@ -124,7 +125,12 @@ class Coordinator:
         t0 = time.perf_counter()
         replies = await self.rpc("setup", {"shapes": self.shapes})
         self.ranks = len(replies)
-        placed, fallback = self._classify(replies, want)
+        placed, fallback, self.unheld = self._classify(replies, want)
+        if self.unheld:
+            log.warning("stitch: %d tensors of the checkpoint are held by no rank (the engine's "
+                        "loaders place none of their elements, e.g. a tied lm_head): %s; the "
+                        "engine does not use them, so they are neither verified nor updated",
+                        len(self.unheld), ", ".join(self.unheld[:10]))
         if fallback and not self.loader_fallback:
             raise EngineStateError(
                 f"{len(fallback)} tensors are not held where the layout map puts them (a loader "
@@ -151,19 +157,23 @@ class Coordinator:
                  len(fallback))
         return self.version
 
-    def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str]]:
-        placed, fallback = [], []
+    def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+        """(placed: every copy proven; fallback: mapped but not provable; unheld: no element
+        mapped on any rank)."""
+        placed, fallback, unheld = [], [], []
         for name, (shape, _) in self.shapes.items():
             numel = int(np.prod(shape, dtype=np.int64))
             mapped = sum(r["mapped"].get(name, 0) for r in replies)
             total = sum(r["sums"].get(name, 0) for r in replies) & fpr.MASK64
             k = mapped // numel if numel else 0
-            if numel and mapped == k * numel and k >= 1 and total == (k * want[name]) & fpr.MASK64:
+            if not numel or not mapped:
+                unheld.append(name)
+            elif mapped == k * numel and total == (k * want[name]) & fpr.MASK64:
                 self.mult[name] = k
                 placed.append(name)
             else:
                 fallback.append(name)
-        return placed, fallback
+        return placed, fallback, sorted(unheld)
 
     def _set_version(self, v: int | None) -> None:
         self.version = v
@@ -237,6 +247,8 @@ class Coordinator:
                                  f"engine's {fpr.fmt(self.fps[e.name])} (wrong base version?)")
             if e.name in self.fallback:
                 fb.append(e)
+                continue
+            if e.name in self.unheld:  # no rank holds it: nothing to gather or write
                 continue
             chunks, pos = [], []
             for reader, c in _chunk_list(patch, e):

@@ -237,3 +237,51 @@ async def test_unplaceable_tensors_are_refused_unless_the_loader_fallback_is_all
     with pytest.raises(EngineStateError, match=r"model\.layers\.1\.scale.*STITCH_LOADER_FALLBACK"):
         await coord.start(d)
     assert coord.version is None
+
+
+async def test_a_tensor_the_engine_does_not_load_is_neither_proven_nor_written(tmp_path):
+    """A checkpoint tensor the engine's loaders skip (as vLLM skips a tied lm_head) maps to no
+    element on any rank: it is reported as unheld, not refused, and patches to it are skipped
+    while everything else is applied and proven."""
+    torch.manual_seed(0)
+    model = HFToy()
+    extra = torch.randn(4, 4)
+
+    def state(m) -> dict[str, torch.Tensor]:
+        return {**{k: v.detach().clone() for k, v in m.state_dict().items()},
+                "extra.weight": extra.clone()}
+
+    views = []
+    with Publisher(str(tmp_path / "board"), RUN, "bf16") as pub:
+        for step, m in enumerate([model, *train(model, 2)]):
+            extra.add_(0.5)  # the skipped tensor changes every version too
+            pub.publish(step, state(m)).result()
+            views.append({k: v.to(torch.bfloat16) for k, v in state(m).items()})
+
+    class Skipping(ToyEngine):
+        def load_weights(self, weights):
+            return super().load_weights((n, t) for n, t in weights if n != "extra.weight")
+
+    await pull(LocalBoard(tmp_path / "board"), RUN, 0, tmp_path / "v0", tmp_path / "c",
+               quiet=True)
+    def skipping_engines():
+        engines = [Skipping(r, 2) for r in range(2)]
+        for e in engines:
+            e.load_weights(iter(views[0].items()))
+        return engines
+
+    strict = Coordinator(_rpc([RankReplica(e) for e in skipping_engines()]), run=RUN)
+    with pytest.raises(EngineStateError) as refused:  # only for the scaled tensor
+        await strict.start(tmp_path / "v0")
+    assert "layers.1.scale" in str(refused.value) and "extra" not in str(refused.value)
+    engines = skipping_engines()
+    coord = Coordinator(_rpc([RankReplica(e) for e in engines]), run=RUN, loader_fallback=True)
+    assert await coord.start(tmp_path / "v0") == 0
+    assert coord.unheld == ["extra.weight"] and coord.status()["unheld_tensors"] == ["extra.weight"]
+    assert sorted(coord.fallback) == ["model.layers.1.scale"]
+    board = LocalBoard(tmp_path / "board")
+    f = Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache")
+    assert await f.sync() == 2
+    want = _engines(2, {k: v for k, v in views[2].items() if k != "extra.weight"})
+    assert all(_same(a, b) for a, b in zip(engines, want, strict=True))
+    assert (await coord.verify())["ok"] is True

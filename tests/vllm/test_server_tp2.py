@@ -1,8 +1,9 @@
 """The plugin on a tensor-parallel engine: TP=2 on the CPU (two worker processes, gloo).
 
 Each rank learns its own layout (qkv/gate-up column slices, o/down row slices, vocab-parallel
-embedding and lm_head, replicated norms), writes only what it holds, and the coordinator checks
-that the two ranks' fingerprint sums add up (replicated tensors count once per rank).
+embedding and lm_head, replicated norms; for Qwen3-MoE also each expert's slice of the fused
+expert weights), writes only what it holds, and the coordinator checks that the two ranks'
+fingerprint sums add up (replicated tensors count once per rank).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from .engines import Server, fresh_outputs  # noqa: E402
 from .test_server import RUN  # noqa: E402
 
 
-def test_tp2_engine_follows_and_matches_a_fresh_tp2_engine(tmp_path, nats_server):
-    model_dir = build_tiny_model(tmp_path / "model", arch="qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])  # MoE: experts sharded over the ranks
+def test_tp2_engine_follows_and_matches_a_fresh_tp2_engine(tmp_path, nats_server, arch):
+    model_dir = build_tiny_model(tmp_path / "model", arch=arch)
     trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN)
     server = None
     try:

@@ -186,8 +186,9 @@ class RankReplica:
             if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
                 raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
             idt = dtypes.info(tm.hf_dtype).int_dtype
-            held: torch.Tensor | None = None  # None: nothing held yet; all held: old_bits whole
             old_bits = torch.zeros(pos.numel(), dtype=idt)
+            complete = not pos.numel()  # a segment held every position: old_bits is whole
+            held: torch.Tensor | None = None  # else: which positions some segment holds
             plan = []
             for seg in tm.segments:
                 ok, eng = seg.locate(pos)
@@ -197,30 +198,26 @@ class RankReplica:
                 eng_d = eng.to(p.device)
                 old = p.data.reshape(-1)[eng_d]
                 bits_d = _hf_bits(old, tm.hf_dtype)
-                bits = bits_d.cpu()
                 if eng.numel() == pos.numel():  # this segment holds every position (TP=1)
                     sel, hpos = None, pos
-                    if held is None:
-                        old_bits = bits
-                    else:
-                        old_bits[~held] = bits[~held]
-                    held = torch.ones(pos.numel(), dtype=torch.bool)
+                    if not complete:
+                        old_bits, complete = bits_d.cpu().clone(), True
                 else:
                     sel = ok.nonzero().squeeze(1)
                     hpos = pos[sel]
-                    if held is None:
-                        held = torch.zeros(pos.numel(), dtype=torch.bool)
-                    first = ~held[sel]
-                    old_bits[sel[first]] = bits[first]
-                    held[sel] = True
+                    if not complete:
+                        if held is None:
+                            held = torch.zeros(pos.numel(), dtype=torch.bool)
+                        new = ~held[sel]  # not held by an earlier segment
+                        old_bits[sel[new]] = bits_d.cpu()[new]
+                        held[sel] = True
                 plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
             self._plan[name] = (pos.numel(), plan)
-            if held is None:
-                held = torch.zeros(pos.numel(), dtype=torch.bool)
-            if bool(held.all()):
+            if complete or (held is not None and bool(held.all())):
                 out[name] = (None, old_bits.numpy().tobytes())
             else:
-                idx = held.nonzero().squeeze(1)
+                idx = (held.nonzero().squeeze(1) if held is not None
+                       else torch.zeros(0, dtype=torch.int64))
                 out[name] = (idx.numpy().astype(index_dtype(pos.numel())).tobytes(),
                              old_bits[idx].numpy().tobytes())
         return {"old": out, "seconds": time.perf_counter() - t0}

@@ -4,9 +4,9 @@ A Stitch patch addresses the *served view*: HF tensor names, flat positions in H
 Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into
 ``gate_up_proj``, vocab rows padded, every linear sharded over tensor-parallel ranks. Rather than
 re-deriving those rules per architecture and engine, we let the model's *own* ``load_weights``
-tell us: each engine parameter's ``.data`` is temporarily swapped for an int64 shadow filled with
--1, and the model loads ``arange`` index tensors in HF shape (offset by a per-tensor base, so one
-load can carry several tensors). Whatever the loaders narrow / concatenate / pad, each shadow
+tell us: each engine parameter's ``.data`` is temporarily swapped for an integer shadow filled with
+-1 (int32 when the group's indices fit, else int64), and the model loads ``arange`` index tensors
+in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the loaders narrow / concatenate / pad, each shadow
 element ends up holding ``base[t] + hf_flat_pos`` of the HF element it came from (0 where a loader
 wrote a constant, e.g. zeroed vocab padding; -1 where nothing was written). That gives, per rank,
 an exact map HF position -> (engine param, flat position), stored compactly as runs.
@@ -56,6 +56,8 @@ _ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# largest index value learned with int32 index tensors and shadows (a group past it uses int64)
+INT32_INDEX_MAX = int(np.iinfo(np.int32).max)
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -239,7 +241,7 @@ def learn_layout(
 
     Must run while the engine is idle (between steps): engine ``.data`` is
     swapped out during the call and restored afterwards.  Groups (one per
-    decoder layer plus "rest") bound the int64 shadow memory to one layer at a
+    decoder layer plus "rest") bound the integer shadow memory to one layer at a
     time; a loader that writes outside its group raises (the engine should then
     be reloaded, its weights are no longer trusted).
     """
@@ -265,6 +267,9 @@ def learn_layout(
             bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
             for i, n in enumerate(g_hf):
                 bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
+            # int32 indices where the group's values fit: half the transient memory of the
+            # HF-shaped index tensor and the shadows (a 152k x 3584 embedding: 2.2 GB, not 4.4)
+            idx_dtype = torch.int32 if bases[-1] <= INT32_INDEX_MAX else torch.int64
 
             saved: dict[str, torch.Tensor] = {}
             saved_rg: dict[str, bool] = {}
@@ -275,14 +280,14 @@ def learn_layout(
                     saved[n] = p.data
                     saved_rg[n] = p.requires_grad
                     p.requires_grad_(False)  # int .data is refused on grad params
-                    shadows[n] = torch.full(tuple(p.shape), -1, dtype=torch.int64,
+                    shadows[n] = torch.full(tuple(p.shape), -1, dtype=idx_dtype,
                                             device=shadow_device)
                     p.data = shadows[n]
 
-                def index_tensors(g_hf=g_hf, bases=bases):
+                def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype):
                     for i, n in enumerate(g_hf):
                         yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
-                                              dtype=torch.int64).reshape(shapes[n][0])
+                                              dtype=idx_dtype).reshape(shapes[n][0])
 
                 loaded = model.load_weights(index_tensors())
             finally:
@@ -327,7 +332,7 @@ def learn_layout(
 
 @numba.njit(cache=True, nogil=True)
 def _scan_runs(flat, bases):
-    """One pass over a filled int64 shadow (engine order): its runs of consecutive index values
+    """One pass over a filled integer shadow (engine order): its runs of consecutive index values
     at consecutive engine positions within one tensor of the group. Returns (constant count,
     unwritten count, foreign count, run tensor ids, HF starts, engine starts, lengths). Values:
     -1 never written, 0 a constant from a loader, v in [bases[t], bases[t+1]) HF element

@@ -87,6 +87,24 @@ def test_learned_map_places_every_element_where_the_loaders_do(rank):
     assert torch.equal(eng.embed.data[:V], w["embed.weight"])
 
 
+def test_int64_indices_learn_the_same_map(monkeypatch):
+    """Groups whose indices pass 2^31 learn with int64 shadows: same map as the int32 path."""
+    w = _hf_weights()
+    shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
+    narrow = L.learn_layout(_engine(1, w), shapes)
+    monkeypatch.setattr(L, "INT32_INDEX_MAX", 0)
+    wide = L.learn_layout(_engine(1, w), shapes)
+    assert narrow.summary() == wide.summary()
+    assert narrow.param_const == wide.param_const
+    for name, tm in narrow.tensors.items():
+        other = wide.tensors[name].segments
+        assert len(tm.segments) == len(other), name
+        for a, b in zip(tm.segments, other, strict=True):
+            assert a.param == b.param
+            for f in ("hf_start", "eng_start", "length"):
+                assert (getattr(a, f) == getattr(b, f)).all(), (name, f)
+
+
 def test_apply_through_the_map_equals_loading_the_new_weights():
     w = _hf_weights(0)
     eng = _engine(1, w)

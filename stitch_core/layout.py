@@ -6,9 +6,10 @@ Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up in
 re-deriving those rules per architecture and engine, we let the model's *own* ``load_weights``
 tell us: each engine parameter's ``.data`` is temporarily swapped for an integer shadow filled with
 -1 (int32 when the group's indices fit, else int64), and the model loads ``arange`` index tensors
-in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the loaders narrow / concatenate / pad, each shadow
-element ends up holding ``base[t] + hf_flat_pos`` of the HF element it came from (0 where a loader
-wrote a constant, e.g. zeroed vocab padding; -1 where nothing was written). That gives, per rank,
+in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the
+loaders narrow / concatenate / pad, each shadow element ends up holding ``base[t] + hf_flat_pos``
+of the HF element it came from (0 where a loader wrote a constant, e.g. zeroed vocab padding; -1
+where nothing was written). That gives, per rank,
 an exact map HF position -> (engine param, flat position), stored compactly as runs.
 
 Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.

@@ -1,15 +1,22 @@
 """Parts shared by the engine suites (tests/vllm and tests/sglang run in venvs of their own, both
-with stitch installed and transformers available): the trainer that publishes a run, and a
-forged version for the "refuse, keep serving, recover" tests."""
+with stitch installed and transformers available): the server subprocess with its Stitch status
+helpers, the vLLM server command (the SGLang suite starts one too), the trainer that publishes a
+run, and a forged version for the "refuse, keep serving, recover" tests."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
 from stitch_core import fingerprint as fpr
@@ -17,6 +24,114 @@ from stitch_core.board import LocalBoard
 from stitch_core.manifest import Manifest
 from stitch_core.patch import diff
 from stitch_core.versions import object_ref, read_manifest, write_version
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class ServerProcess:
+    """An engine's HTTP server as a user runs it: a subprocess in its own process group, its
+    output in `log`, with the Stitch status helpers."""
+
+    name = "engine"
+    # SIGTERM the whole group (vLLM) or only the launcher (SGLang's launcher stops its own
+    # schedulers, and takes their SIGTERM as a crash)
+    signal_group = True
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str], port: int, model: str,
+                 log: Path):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        self.log = log
+        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=dict(env), stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+
+    def wait_version(self, version: int, timeout: float = 400) -> dict:
+        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
+        deadline = time.monotonic() + timeout
+        last: dict | str = "no answer"
+        while time.monotonic() < deadline:
+            self._alive()
+            try:
+                r = self.http.get("/stitch/status", timeout=5)
+                last = r.json()
+                if last.get("version") == version and last.get("state") == "serving":
+                    return last
+            except (httpx.HTTPError, ValueError) as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
+
+    def status(self) -> dict:
+        return self.http.get("/stitch/status").json()
+
+    def tail(self, n: int = 60) -> str:
+        self._logf.flush()
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM, wait for the process group to empty, SIGKILL what is left after `grace`."""
+        self.http.close()
+        pgid = self.proc.pid  # start_new_session=True: the server leads its own group
+        if self.proc.poll() is None:
+            if self.signal_group:
+                os.killpg(pgid, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.proc.poll()  # reap the leader so that the group can empty
+            time.sleep(0.2)
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        self.proc.wait()
+        self._logf.close()
+
+
+def vllm_cmd(python: str, model: str, port: int, tp: int = 1,
+             max_model_len: int = 256) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
+    middleware, small CPU settings."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
+           "--max-num-seqs", "4", "--port", str(port), "--seed", "0",
+           "--generation-config", "vllm",
+           "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+           "--middleware", "stitch_vllm.server.StitchMiddleware"]
+    if tp > 1:
+        cmd += ["-tp", str(tp), "--distributed-executor-backend", "mp"]
+    return cmd
+
+
+def vllm_env(base: Mapping[str, str], tp: int = 1, **stitch: str) -> dict[str, str]:
+    """`base` with vLLM's CPU settings (1 GB KV cache, one core per rank) and STITCH_* set from
+    `stitch`."""
+    env = dict(base)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CPU_OMP_THREADS_BIND="nobind" if tp == 1 else "|".join(
+                   str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.update({f"STITCH_{k.upper()}": str(v) for k, v in stitch.items()})
+    return env
 
 
 class Trainer:

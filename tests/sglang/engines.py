@@ -8,7 +8,6 @@ a unique `cache_salt` so that no answer reuses another request's radix-cache pre
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 import uuid
@@ -16,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from .smoke import free_port, server_cmd, server_env, stop
+from ..engine_common import ServerProcess, free_port
+from .smoke import server_cmd, server_env
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -34,40 +34,10 @@ def engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[str, str
     return env
 
 
-class Engine:
-    """A server subprocess in its own process group, with the Stitch status helpers."""
+class Engine(ServerProcess):
+    """A server subprocess (tests/engine_common.ServerProcess) that can also wait for /health."""
 
-    name = "engine"
-
-    def __init__(self, cmd: list[str], env: dict[str, str], port: int, model: str, log: Path):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.model = model
-        self.log = log
-        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-
-    def _alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-
-    def wait_version(self, version: int, timeout: float = 400) -> dict:
-        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
-        deadline = time.monotonic() + timeout
-        last: dict | str = "no answer"
-        while time.monotonic() < deadline:
-            self._alive()
-            try:
-                r = self.http.get("/stitch/status", timeout=5)
-                last = r.json()
-                if last.get("version") == version and last.get("state") == "serving":
-                    return last
-            except (httpx.HTTPError, ValueError) as e:
-                last = str(e)
-            time.sleep(0.25)
-        raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
+    signal_group = False  # SGLang's launcher stops its schedulers itself (smoke.stop)
 
     def wait_healthy(self, timeout: float = 400) -> float:
         """Poll /health until 200 (SGLang's own warm-up request passed)."""
@@ -81,20 +51,6 @@ class Engine:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"{self.name} not healthy after {timeout}s\n{self.tail()}")
-
-    def status(self) -> dict:
-        return self.http.get("/stitch/status").json()
-
-    def tail(self, n: int = 60) -> str:
-        self._logf.flush()
-        lines = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def stop(self) -> None:
-        """SIGTERM the launcher, wait for its process group, SIGKILL leftovers (smoke.stop)."""
-        self.http.close()
-        stop(self.proc)
-        self._logf.close()
 
 
 class Server(Engine):

@@ -30,40 +30,36 @@ from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_core.versions import read_manifest  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import Trainer  # noqa: E402
-from .engines import Engine, Server, free_port  # noqa: E402
+from ..engine_common import (  # noqa: E402
+    ServerProcess,
+    Trainer,
+    free_port,
+    vllm_cmd,
+    vllm_env,
+)
+from .engines import Server  # noqa: E402
 
 RUN = "sg-cross"
 
 
-class VllmServer(Engine):
-    """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
-    middleware, as in tests/vllm/engines.py, run by another venv's python."""
+class VllmServer(ServerProcess):
+    """The vLLM server of tests/vllm/engines.py, run by the vLLM venv's python."""
 
     name = "vLLM server"
 
     def __init__(self, python: str, model_dir: Path, log: Path, **stitch: str):
         port = free_port()
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-               "--max-num-seqs", "4", "--port", str(port), "--seed", "0",
-               "--generation-config", "vllm",
-               "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
-               "--middleware", "stitch_vllm.server.StitchMiddleware"]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("STITCH_", "VIRTUAL_ENV", "PYTHONPATH"))}
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
-                   VLLM_CPU_OMP_THREADS_BIND="nobind")
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        env.update({f"STITCH_{k.upper()}": str(v) for k, v in stitch.items()})
-        super().__init__(cmd, env, port, str(model_dir), log)
+        super().__init__(vllm_cmd(python, str(model_dir), port), vllm_env(env, **stitch), port,
+                         str(model_dir), log)
 
 
 def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, nats_server):
     model_dir = build_tiny_model(tmp_path / "model", arch="qwen2")
     trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN)
     board = LocalBoard(tmp_path / "board")
-    engines: list[Engine] = []
+    engines: list[ServerProcess] = []
     try:
         assert trainer.publish() == 0
         asyncio.run(pull(board, RUN, 0, tmp_path / "v0", tmp_path / "cache", quiet=True))

@@ -7,79 +7,38 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
+
+from ..engine_common import ServerProcess, free_port, vllm_cmd, vllm_env
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
 TOP = 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_env(tp: int = 1, **stitch: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_CPU_OMP_THREADS_BIND="nobind" if tp == 1 else "|".join(
-                   str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    for k, v in stitch.items():
-        env[f"STITCH_{k.upper()}"] = str(v)
-    return env
+    return vllm_env(os.environ, tp, **stitch)
 
 
-class Server:
+class Server(ServerProcess):
     """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
     middleware (the plugin entry point is installed with the package)."""
 
+    name = "vLLM server"
+
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
                  **stitch: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model_dir)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
-               "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
-               "--generation-config", "vllm",
-               "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
-               "--middleware", "stitch_vllm.server.StitchMiddleware"]
-        if tp > 1:
-            cmd += ["-tp", str(tp), "--distributed-executor-backend", "mp"]
-        self.log = log
-        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, env=engine_env(tp, **stitch), stdout=self._logf,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+        port = free_port()
+        cmd = vllm_cmd(sys.executable, str(model_dir), port, tp, max_model_len)
+        super().__init__(cmd, engine_env(tp, **stitch), port, str(model_dir), log)
 
     def wait_version(self, version: int, timeout: float = 300) -> dict:
-        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
-        deadline = time.monotonic() + timeout
-        last: dict | str = "no answer"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                r = self.http.get("/stitch/status", timeout=5)
-                last = r.json()
-                if last.get("version") == version and last.get("state") == "serving":
-                    return last
-            except httpx.HTTPError as e:
-                last = str(e)
-            time.sleep(0.25)
-        raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
-
-    def status(self) -> dict:
-        return self.http.get("/stitch/status").json()
+        return super().wait_version(version, timeout)
 
     def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -99,24 +58,6 @@ class Server:
                         "top": [{int(k.split(":")[1]): v for k, v in d.items()}
                                 for d in lp["top_logprobs"]]})
         return res
-
-    def tail(self, n: int = 60) -> str:
-        self._logf.flush()
-        lines = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            import signal
-
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._logf.close()
 
 
 FRESH = textwrap.dedent("""

@@ -9,8 +9,8 @@ tell us: each engine parameter's ``.data`` is temporarily swapped for an integer
 in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the
 loaders narrow / concatenate / pad, each shadow element ends up holding ``base[t] + hf_flat_pos``
 of the HF element it came from (0 where a loader wrote a constant, e.g. zeroed vocab padding; -1
-where nothing was written). That gives, per rank,
-an exact map HF position -> (engine param, flat position), stored compactly as runs.
+where nothing was written). That gives, per rank, an exact map HF position -> (engine param,
+flat position), stored compactly as runs.
 
 Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.
 An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend:

@@ -19,8 +19,11 @@ change in the manifest fingerprint, or every rank undoes.
 
 Start-up: the ranks learn their layout from the model's own loaders and report full sums; a
 tensor whose sums do not add up to multiplicity x its manifest fingerprint is not placed exactly
-by the layout (a loader that transforms values) and falls back to the engine's own loader with
-the reconstructed tensor (kept on the host here, logged by name).
+by the layout (a loader or post-load step that transforms values). So is an engine parameter that
+no loader writes (computed from other weights after loading, e.g. MLA's absorbed matrices): a
+patch could not keep it in step. Either refuses the start, naming them, unless the loader
+fallback is opted into: then a transformed tensor goes through the engine's own loader with the
+reconstructed tensor (kept on the host here), unverified, and both are logged by name.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Coordinator:
         self.mult: dict[str, int] = {}  # copies of each element across all ranks
         self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
         self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
+        self.derived: list[str] = []  # engine params no loader writes (computed after loading)
         self.ranks = 0
         self.check: dict[str, Any] = {"ok": None}
         self.last_apply: dict[str, Any] | None = None
@@ -104,7 +108,8 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         return {"fingerprint_check": self.check, "last_apply": self.last_apply,
                 "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
-                "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld}
+                "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld,
+                "derived_params": self.derived}
 
     # ------------------------------------------------------------ start-up
 
@@ -126,6 +131,16 @@ class Coordinator:
         replies = await self.rpc("setup", {"shapes": self.shapes})
         self.ranks = len(replies)
         placed, fallback, self.unheld = self._classify(replies, want)
+        self.derived = sorted({p for r in replies for p in r.get("derived", [])})
+        if self.derived:
+            msg = (f"{len(self.derived)} engine parameters are written by no loader (computed "
+                   "from other weights after loading, e.g. MLA's absorbed W_UK/W_UV, or never "
+                   "loaded), so a patch cannot keep them in step with the weights: "
+                   f"{', '.join(self.derived[:5])}{' ...' if len(self.derived) > 5 else ''}")
+            if not self.loader_fallback:
+                raise EngineStateError(msg + ". STITCH_LOADER_FALLBACK=1 follows anyway, "
+                                       "leaving them as loaded")
+            log.warning("stitch: %s; following anyway (loader fallback on)", msg)
         if self.unheld:
             log.warning("stitch: %d tensors of the checkpoint are held by no rank (the engine's "
                         "loaders place none of their elements, e.g. a tied lm_head): %s; the "

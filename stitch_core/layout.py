@@ -160,6 +160,13 @@ class Layout:
     param_unwritten: dict[str, int]
     rank_info: dict[str, Any] = field(default_factory=dict)
 
+    def derived(self) -> list[str]:
+        """Engine params no loader writes a single element of: computed from other weights after
+        loading (vLLM's MLA ``W_UK_T``/``W_UV`` from ``kv_b_proj``) or never loaded. A patch
+        cannot keep them in step with the weights they come from."""
+        return sorted(p for p, n in self.param_unwritten.items()
+                      if n and n == int(np.prod(self.param_shapes[p], dtype=np.int64)))
+
     def summary(self) -> dict[str, Any]:
         """Small picklable description (for collective_rpc replies / logs)."""
         per_param: dict[str, dict[str, Any]] = {}
@@ -222,6 +229,50 @@ class MastersInstalled:
         return False
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a = a.detach().to("cpu").contiguous().reshape(-1)
+    b = b.contiguous().reshape(-1)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.uint8), b.view(torch.uint8))
+
+
+class TensorState:
+    """Every buffer and plain tensor attribute of a model, kept (a CPU copy) so that what a loader
+    changes while it loads index tensors can be named and put back."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.kept: dict[str, tuple[torch.nn.Module, str, bool, torch.Tensor, int, torch.Tensor]]
+        self.kept = {}
+        for mod_name, mod in model.named_modules():
+            items = [(k, v, True) for k, v in mod._buffers.items()]
+            items += [(k, v, False) for k, v in vars(mod).items()
+                      if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+            for attr, t, buffer in items:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    key = f"{mod_name}.{attr}" if mod_name else attr
+                    self.kept[key] = (mod, attr, buffer, t, t._version,
+                                      t.detach().to("cpu", copy=True))
+
+    def restore(self) -> list[str]:
+        """Put back what changed (rebound or written in place); return their names."""
+        changed = []
+        for key, (mod, attr, buffer, t, version, copy) in self.kept.items():
+            now = mod._buffers.get(attr) if buffer else vars(mod).get(attr)
+            # a bumped version counter with the same bits: a view of a parameter the loader
+            # wrote through (the writes went to the shadow), not a change
+            if now is t and (t._version == version or _same_bits(t, copy)):
+                continue
+            changed.append(key)
+            if buffer:
+                mod._buffers[attr] = t
+            else:
+                setattr(mod, attr, t)
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(copy)
+        return sorted(changed)
+
+
 def _group_key(name: str) -> str:
     m = _LAYER_RE.search(name)
     return f"layer{int(m.group(1)):06d}" if m else "rest"
@@ -253,6 +304,7 @@ def learn_layout(
         else:
             shapes[n] = (tuple(v), torch.bfloat16)
 
+    state = TensorState(model)
     with MastersInstalled(model):
         params = engine_params(model)
         key = _group_key if group_by_layer else (lambda n: "all")
@@ -320,6 +372,16 @@ def learn_layout(
                         _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
                 del flat
             shadows.clear()
+
+    touched = state.restore()
+    if touched:
+        # a loader derived state from the values it loaded (e.g. a post-load step run inside
+        # load_weights): a patch could not keep that state in step with the weights
+        raise RuntimeError(
+            f"layout learning: the model's loaders changed {len(touched)} buffers or tensor "
+            f"attributes that are not parameters ({', '.join(touched[:5])}"
+            f"{' ...' if len(touched) > 5 else ''}; put back): state derived from the weights "
+            "cannot be followed by patches")
 
     return Layout(
         tensors=tensors,

@@ -128,7 +128,8 @@ class RankReplica:
         return {"rank": self.rank_info, "sums": sums, "mapped": mapped, "learn_s": learn_s,
                 "sums_s": time.perf_counter() - t0 - learn_s,
                 "const": {p: c for p, c in self.layout.param_const.items() if c},
-                "unwritten": {p: c for p, c in self.layout.param_unwritten.items() if c}}
+                "unwritten": {p: c for p, c in self.layout.param_unwritten.items() if c},
+                "derived": self.layout.derived()}
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)

@@ -239,6 +239,35 @@ async def test_unplaceable_tensors_are_refused_unless_the_loader_fallback_is_all
     assert coord.version is None
 
 
+async def test_params_computed_after_loading_are_refused_unless_allowed(published):
+    """An engine param that no loader writes (vLLM's MLA layers compute W_UK_T/W_UV from
+    kv_b_proj after loading) cannot be kept in step by patches: the start is refused, naming it,
+    unless the loader fallback is allowed (then it is reported in the status)."""
+    root, views = published
+    d = root / "pulled-derived"
+    await pull(LocalBoard(root / "board"), RUN, 0, d, root / "cache", quiet=True)
+
+    class Absorbing(ToyEngine):
+        def __init__(self, rank=0, world=1):
+            super().__init__(rank, world)
+            self.absorbed = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def engines():
+        es = [Absorbing(r, 2) for r in range(2)]
+        for e in es:
+            e.load_weights(iter(views[0].items()))
+            e.absorbed.data.fill_(1.0)  # the post-load step
+        return es
+
+    strict = Coordinator(_rpc([RankReplica(e) for e in engines()]), run=RUN)
+    with pytest.raises(EngineStateError, match=r"written by no loader.*absorbed"):
+        await strict.start(d)
+    assert strict.version is None
+    coord = Coordinator(_rpc([RankReplica(e) for e in engines()]), run=RUN, loader_fallback=True)
+    assert await coord.start(d) == 0
+    assert coord.status()["derived_params"] == ["absorbed"]
+
+
 async def test_a_tensor_the_engine_does_not_load_is_neither_proven_nor_written(tmp_path):
     """A checkpoint tensor the engine's loaders skip (as vLLM skips a tied lm_head) maps to no
     element on any rank: it is reported as unheld, not refused, and patches to it are skipped

@@ -134,6 +134,52 @@ def test_a_loader_that_computes_with_the_values_is_refused():
         L.learn_layout(Scaling(), {"embed.weight": ((V, H), torch.bfloat16)})
 
 
+@pytest.mark.parametrize("how", ["rebind", "in_place"])
+def test_a_loader_that_derives_state_from_the_values_is_refused(how):
+    """A post-load step run inside load_weights (SGLang's MLA models compute their absorbed
+    matrices there) would now derive state from index tensors: refused by name."""
+    class Deriving(Engine):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("norm_sum", torch.zeros(()))
+            self.head_cache = torch.zeros(V, H)  # a plain tensor attribute
+
+        def load_weights(self, weights):
+            weights = list(weights)
+            super().load_weights(weights)
+            for name, w in weights:
+                if name == "head.weight" and how == "rebind":
+                    self.head_cache = w.float() * 2
+                elif name == "norm.weight" and how == "in_place":
+                    self.norm_sum.add_(w.float().sum())
+            return None
+
+    eng = Deriving().to(torch.bfloat16)
+    eng.head_cache = torch.full((V, H), 3.0)
+    eng.norm_sum.fill_(5.0)
+    cache, norm_sum = eng.head_cache, eng.norm_sum
+    which = "head_cache" if how == "rebind" else "norm_sum"
+    with pytest.raises(RuntimeError, match=f"changed 1 buffers or tensor attributes.*{which}"):
+        L.learn_layout(eng, {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
+    # and put back: the engine keeps what it had
+    assert eng.head_cache is cache and bool((cache == 3.0).all())
+    assert eng.norm_sum is norm_sum and float(norm_sum) == 5.0
+    # a loader that leaves them alone learns as before
+    assert L.learn_layout(Engine(), {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
+
+
+def test_params_no_loader_writes_are_reported_as_derived():
+    class Absorbed(Engine):
+        def __init__(self):
+            super().__init__()
+            self.absorbed = torch.nn.Parameter(torch.zeros(H, H))  # computed after loading
+
+    lay = L.learn_layout(Absorbed(), {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
+    assert lay.derived() == ["absorbed"]
+    assert L.learn_layout(Engine(), {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
+                          ).derived() == []
+
+
 @pytest.mark.parametrize("sort", [True, False])
 def test_locate_matches_a_vectorised_reference(sort):
     """Segment.locate (one numba pass) against the searchsorted formulation, on random runs with

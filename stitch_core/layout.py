@@ -305,75 +305,77 @@ def learn_layout(
             shapes[n] = (tuple(v), torch.bfloat16)
 
     state = TensorState(model)
-    with MastersInstalled(model):
-        params = engine_params(model)
-        key = _group_key if group_by_layer else (lambda n: "all")
-        groups = sorted({key(n) for n in shapes})
-        tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
-        const: dict[str, int] = {}
-        unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
+    try:
+        with MastersInstalled(model):
+            params = engine_params(model)
+            key = _group_key if group_by_layer else (lambda n: "all")
+            groups = sorted({key(n) for n in shapes})
+            tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
+            const: dict[str, int] = {}
+            unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
 
-        for g in groups:
-            g_hf = [n for n in shapes if key(n) == g]
-            g_params = {n: p for n, p in params.items() if key(n) == g}
-            bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
-            bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
-            for i, n in enumerate(g_hf):
-                bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
-            # int32 indices where the group's values fit: half the transient memory of the
-            # HF-shaped index tensor and the shadows (a 152k x 3584 embedding: 2.2 GB, not 4.4)
-            idx_dtype = torch.int32 if bases[-1] <= INT32_INDEX_MAX else torch.int64
+            for g in groups:
+                g_hf = [n for n in shapes if key(n) == g]
+                g_params = {n: p for n, p in params.items() if key(n) == g}
+                bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
+                bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
+                for i, n in enumerate(g_hf):
+                    bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
+                # int32 indices where the group's values fit: half the transient memory of the
+                # HF-shaped index tensor and the shadows (a 152k x 3584 embedding: 2.2 GB, not 4.4)
+                idx_dtype = torch.int32 if bases[-1] <= INT32_INDEX_MAX else torch.int64
 
-            saved: dict[str, torch.Tensor] = {}
-            saved_rg: dict[str, bool] = {}
-            shadows: dict[str, torch.Tensor] = {}
-            loaded: Any = None
-            try:
-                for n, p in g_params.items():
-                    saved[n] = p.data
-                    saved_rg[n] = p.requires_grad
-                    p.requires_grad_(False)  # int .data is refused on grad params
-                    shadows[n] = torch.full(tuple(p.shape), -1, dtype=idx_dtype,
-                                            device=shadow_device)
-                    p.data = shadows[n]
+                saved: dict[str, torch.Tensor] = {}
+                saved_rg: dict[str, bool] = {}
+                shadows: dict[str, torch.Tensor] = {}
+                loaded: Any = None
+                try:
+                    for n, p in g_params.items():
+                        saved[n] = p.data
+                        saved_rg[n] = p.requires_grad
+                        p.requires_grad_(False)  # int .data is refused on grad params
+                        shadows[n] = torch.full(tuple(p.shape), -1, dtype=idx_dtype,
+                                                device=shadow_device)
+                        p.data = shadows[n]
 
-                def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype):
-                    for i, n in enumerate(g_hf):
-                        yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
-                                              dtype=idx_dtype).reshape(shapes[n][0])
+                    def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype):
+                        for i, n in enumerate(g_hf):
+                            yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
+                                                  dtype=idx_dtype).reshape(shapes[n][0])
 
-                loaded = model.load_weights(index_tensors())
-            finally:
-                for n, p in g_params.items():
-                    if n in saved:
-                        p.data = saved[n]
-                        p.requires_grad_(saved_rg[n])
-            if isinstance(loaded, set):
-                # names the loaders reported as loaded must all have been shadowed
-                outside = {ln for ln in loaded if ln in params and ln not in g_params}
-                if outside:
-                    raise RuntimeError(
-                        f"layout learning for group {g!r} loaded params outside the group "
-                        f"{sorted(outside)[:5]}: their engine data now holds index values; "
-                        "reload the engine weights")
+                    loaded = model.load_weights(index_tensors())
+                finally:
+                    for n, p in g_params.items():
+                        if n in saved:
+                            p.data = saved[n]
+                            p.requires_grad_(saved_rg[n])
+                if isinstance(loaded, set):
+                    # names the loaders reported as loaded must all have been shadowed
+                    outside = {ln for ln in loaded if ln in params and ln not in g_params}
+                    if outside:
+                        raise RuntimeError(
+                            f"layout learning for group {g!r} loaded params outside the group "
+                            f"{sorted(outside)[:5]}: their engine data now holds index values; "
+                            "reload the engine weights")
 
-            for pn, sh in shadows.items():
-                flat = sh.view(-1).cpu().numpy()
-                n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
-                    _scan_runs(flat, bases)
-                if n_foreign:
-                    raise RuntimeError(
-                        f"layout learning: {n_foreign} elements of {pn} hold values no index "
-                        "tensor of its group carries (a loader that computes with the values?)")
-                const[pn], unwritten[pn] = int(n_const), int(n_unwritten)
-                for t in np.unique(tid):
-                    sel = tid == t
-                    tensors[g_hf[t]].segments.extend(
-                        _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
-                del flat
-            shadows.clear()
+                for pn, sh in shadows.items():
+                    flat = sh.view(-1).cpu().numpy()
+                    n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
+                        _scan_runs(flat, bases)
+                    if n_foreign:
+                        raise RuntimeError(
+                            f"layout learning: {n_foreign} elements of {pn} hold values no index "
+                            "tensor of its group carries (a loader that computes with the values?)")
+                    const[pn], unwritten[pn] = int(n_const), int(n_unwritten)
+                    for t in np.unique(tid):
+                        sel = tid == t
+                        tensors[g_hf[t]].segments.extend(
+                            _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
+                    del flat
+                shadows.clear()
 
-    touched = state.restore()
+    finally:  # also when a loader raised: the engine keeps its own state
+        touched = state.restore()
     if touched:
         # a loader derived state from the values it loaded (e.g. a post-load step run inside
         # load_weights): a patch could not keep that state in step with the weights

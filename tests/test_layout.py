@@ -134,7 +134,7 @@ def test_a_loader_that_computes_with_the_values_is_refused():
         L.learn_layout(Scaling(), {"embed.weight": ((V, H), torch.bfloat16)})
 
 
-@pytest.mark.parametrize("how", ["rebind", "in_place"])
+@pytest.mark.parametrize("how", ["rebind", "in_place", "raise"])
 def test_a_loader_that_derives_state_from_the_values_is_refused(how):
     """A post-load step run inside load_weights (SGLang's MLA models compute their absorbed
     matrices there) would now derive state from index tensors: refused by name."""
@@ -150,8 +150,10 @@ def test_a_loader_that_derives_state_from_the_values_is_refused(how):
             for name, w in weights:
                 if name == "head.weight" and how == "rebind":
                     self.head_cache = w.float() * 2
-                elif name == "norm.weight" and how == "in_place":
+                elif name == "norm.weight" and how in ("in_place", "raise"):
                     self.norm_sum.add_(w.float().sum())
+            if how == "raise":  # a post-load step that fails on integer tensors
+                raise TypeError("not for integers")
             return None
 
     eng = Deriving().to(torch.bfloat16)
@@ -159,7 +161,9 @@ def test_a_loader_that_derives_state_from_the_values_is_refused(how):
     eng.norm_sum.fill_(5.0)
     cache, norm_sum = eng.head_cache, eng.norm_sum
     which = "head_cache" if how == "rebind" else "norm_sum"
-    with pytest.raises(RuntimeError, match=f"changed 1 buffers or tensor attributes.*{which}"):
+    match = ("not for integers" if how == "raise" else
+             f"changed 1 buffers or tensor attributes.*{which}")
+    with pytest.raises((RuntimeError, TypeError), match=match):
         L.learn_layout(eng, {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
     # and put back: the engine keeps what it had
     assert eng.head_cache is cache and bool((cache == 3.0).all())

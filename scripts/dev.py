@@ -14,6 +14,7 @@ multi-GB CUDA build on machines without a GPU (override with STITCH_TORCH_SPEC).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def setup_sglang() -> None:
               "requires them)", flush=True)
         run(py, "-m", "pip", "install", "-q", SGLANG_TORCH_SPEC)
         run(py, "-m", "pip", "install", "-q", "--no-deps", SGLANG_SPEC)
-        name = SGLANG_SPEC.split("=")[0].split("<")[0].split(">")[0]
+        name = re.split(r"[\s\[<>=!~;]", SGLANG_SPEC, maxsplit=1)[0]
         reqs = subprocess.run([str(py), "-c", REQUIRES, name, *SGLANG_GPU_ONLY], check=True,
                               capture_output=True, text=True).stdout.split()
         run(py, "-m", "pip", "install", "-q", *reqs, SGLANG_TORCH_SPEC)

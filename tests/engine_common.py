@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -25,19 +23,7 @@ from stitch_core.manifest import Manifest
 from stitch_core.patch import diff
 from stitch_core.versions import object_ref, read_manifest, write_version
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+from .procs import stop
 
 
 class ServerProcess:
@@ -91,19 +77,7 @@ class ServerProcess:
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM, wait for the process group to empty, SIGKILL what is left after `grace`."""
         self.http.close()
-        pgid = self.proc.pid  # start_new_session=True: the server leads its own group
-        if self.proc.poll() is None:
-            if self.signal_group:
-                os.killpg(pgid, signal.SIGTERM)
-            else:
-                self.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _group_alive(pgid):
-            self.proc.poll()  # reap the leader so that the group can empty
-            time.sleep(0.2)
-        if _group_alive(pgid):
-            os.killpg(pgid, signal.SIGKILL)
-        self.proc.wait()
+        stop(self.proc, grace, self.signal_group)
         self._logf.close()
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from ..engine_common import ServerProcess, free_port
+from ..engine_common import ServerProcess
+from ..procs import free_port
 from .smoke import server_cmd, server_env
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +27,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STUB = HERE / "stub"
+if str(HERE.parent.parent) not in sys.path:  # run as a script: the repository root
+    sys.path.insert(0, str(HERE.parent.parent))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.procs import free_port, stop  # noqa: E402,F401 (stop: also for benchmarks/)
 
 
 def server_env(tp: int, extra_pythonpath: list[str] | None = None) -> dict[str, str]:
@@ -84,31 +80,6 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> float:
             pass
         time.sleep(1.0)
     raise TimeoutError(f"server not ready after {timeout:.0f}s")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the launcher (SGLang drains and stops its schedulers and detokenizer), wait for
-    its process group to empty, SIGKILL whatever is left after `grace` seconds. Signalling the
-    whole group at once makes the launcher treat the schedulers' exit as a crash (SIGQUIT
-    diagnostics, 5 s sleep)."""
-    pgid = proc.pid  # start_new_session=True: the launcher leads its own group
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(pgid):
-        proc.poll()  # reap the launcher so the group can empty
-        time.sleep(0.2)
-    if _group_alive(pgid):
-        os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
 
 
 def main() -> int:

@@ -30,13 +30,8 @@ from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_core.versions import read_manifest  # noqa: E402
 from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import (  # noqa: E402
-    ServerProcess,
-    Trainer,
-    free_port,
-    vllm_cmd,
-    vllm_env,
-)
+from ..engine_common import ServerProcess, Trainer, vllm_cmd, vllm_env  # noqa: E402
+from ..procs import free_port  # noqa: E402
 from .engines import Server  # noqa: E402
 
 RUN = "sg-cross"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from ..engine_common import ServerProcess, free_port, vllm_cmd, vllm_env
+from ..engine_common import ServerProcess, vllm_cmd, vllm_env
+from ..procs import free_port
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -36,9 +37,6 @@ class Server(ServerProcess):
         port = free_port()
         cmd = vllm_cmd(sys.executable, str(model_dir), port, tp, max_model_len)
         super().__init__(cmd, engine_env(tp, **stitch), port, str(model_dir), log)
-
-    def wait_version(self, version: int, timeout: float = 300) -> dict:
-        return super().wait_version(version, timeout)
 
     def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,

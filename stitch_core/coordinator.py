@@ -96,6 +96,7 @@ class Coordinator:
         self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
         self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
         self.derived: list[str] = []  # engine params no loader writes (computed after loading)
+        self.derived_copies: dict[str, int] = {}  # kernels' copies kept in step, by kind
         self.ranks = 0
         self.check: dict[str, Any] = {"ok": None}
         self.last_apply: dict[str, Any] | None = None
@@ -109,7 +110,7 @@ class Coordinator:
         return {"fingerprint_check": self.check, "last_apply": self.last_apply,
                 "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
                 "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld,
-                "derived_params": self.derived}
+                "derived_params": self.derived, "derived_copies": self.derived_copies}
 
     # ------------------------------------------------------------ start-up
 
@@ -131,11 +132,18 @@ class Coordinator:
         replies = await self.rpc("setup", {"shapes": self.shapes})
         self.ranks = len(replies)
         placed, fallback, self.unheld = self._classify(replies, want)
-        self.derived = sorted({p for r in replies for p in r.get("derived", [])})
+        self.derived = sorted({p for r in replies for p in r.get("derived", [])}
+                              | {a for r in replies for a in r.get("unmanaged", [])})
+        self.derived_copies = _merge_counts(r.get("derived_copies", {}) for r in replies)
+        stale = _stale(replies)
+        if stale:
+            raise EngineStateError(f"derived copies of weights do not match the weights they are "
+                                   f"built from: {', '.join(stale[:5])}")
         if self.derived:
-            msg = (f"{len(self.derived)} engine parameters are written by no loader (computed "
-                   "from other weights after loading, e.g. MLA's absorbed W_UK/W_UV, or never "
-                   "loaded), so a patch cannot keep them in step with the weights: "
+            msg = (f"{len(self.derived)} engine parameters or kernel states are written by no "
+                   "loader (computed from other weights after loading, e.g. MLA's absorbed "
+                   "W_UK/W_UV or a packed copy no adapter rebuilds, or never loaded), so a patch "
+                   "cannot keep them in step with the weights: "
                    f"{', '.join(self.derived[:5])}{' ...' if len(self.derived) > 5 else ''}")
             if not self.loader_fallback:
                 raise EngineStateError(msg + ". STITCH_LOADER_FALLBACK=1 follows anyway, "
@@ -167,9 +175,11 @@ class Coordinator:
                       "fallback": len(fallback), "seconds": time.perf_counter() - t0}
         if m is not None:
             self._set_version(m.version)
-        log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader",
+        log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "
+                 "kernels' packed copies kept in step: %s",
                  f"{m.run} v{m.version}" if m else str(model_dir), self.ranks, len(placed),
-                 len(fallback))
+                 len(fallback), ", ".join(f"{n} {k}" for k, n in self.derived_copies.items())
+                 or "none")
         return self.version
 
     def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
@@ -290,7 +300,7 @@ class Coordinator:
             held = torch.zeros(pos.numel(), dtype=torch.bool)
             for g in gathered:
                 idx_b, bits_b = g["old"][name]
-                bits = torch.frombuffer(bytearray(bits_b), dtype=dt.int_dtype)
+                bits = dtypes.bits_from_bytes(bits_b, dt.int_dtype)
                 idx = (torch.arange(pos.numel()) if idx_b is None else torch.from_numpy(
                     np.frombuffer(idx_b, dtype=index_dtype(pos.numel())).astype(np.int64)))
                 old[idx] = bits
@@ -376,7 +386,7 @@ class Coordinator:
                     replies = await self.rpc("sums", {})
                     bad = [n for n, k in self.mult.items()
                            if sum(r["sums"][n] for r in replies) & fpr.MASK64
-                           != (k * want[n]) & fpr.MASK64]
+                           != (k * want[n]) & fpr.MASK64] + _stale(replies)
                     if bad:
                         self._set_version(None)
                         raise EngineStateError(
@@ -409,14 +419,31 @@ class Coordinator:
             bad = [n for n, k in self.mult.items()
                    if sum(r["sums"][n] for r in replies) & fpr.MASK64
                    != (k * self.fps[n]) & fpr.MASK64]
+            stale = _stale(replies)  # kernels' copies not rebuilt from the weights there now
+            bad += stale
             self.check = {"ok": not bad, "at": time.time(), "kind": "full",
                           "tensors": len(self.mult), "mismatched": bad[:20],
-                          "seconds": time.perf_counter() - t0}
+                          "derived_copies": sum(self.derived_copies.values()),
+                          "stale_derived": stale[:20], "seconds": time.perf_counter() - t0}
             if bad:
                 log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
                           self.version, len(bad), ", ".join(bad[:5]))
                 self._set_version(None)
             return self.check
+
+
+def _stale(replies) -> list[str]:
+    """Derived copies any rank reports stale, as 'rank R: module (kind)'."""
+    return [f"rank {i}: {name}" for i, r in enumerate(replies)
+            for name in r.get("stale_derived", [])]
+
+
+def _merge_counts(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + int(v)
+    return dict(sorted(out.items()))
 
 
 class _NoGate:

@@ -63,6 +63,14 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(i.int_dtype)
 
 
+def bits_from_bytes(buf: bytes | bytearray | memoryview, int_dtype: torch.dtype) -> torch.Tensor:
+    """A writable 1-D integer tensor over a copy of `buf` (empty bytes give an empty tensor;
+    ``torch.frombuffer`` refuses them)."""
+    if not len(buf):
+        return torch.empty(0, dtype=int_dtype)
+    return torch.frombuffer(bytearray(buf), dtype=int_dtype)
+
+
 def from_int(bits: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of int_view: reinterpret integer bits (any integer dtype, exact values) as dtype."""
     i = info(dtype)

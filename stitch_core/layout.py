@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import dtypes
 from ._jit import numba
 
 __all__ = [
@@ -493,7 +494,7 @@ def apply_chunk(
         positions = np.frombuffer(positions, dtype=np.int64)
     if isinstance(values, (bytes, bytearray, memoryview)):  # raw little-endian bits
         iv = _INT_VIEW[tmap.hf_dtype.itemsize]
-        values = torch.frombuffer(bytearray(values), dtype=iv)
+        values = dtypes.bits_from_bytes(values, iv)
     pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
     vals = torch.as_tensor(values).reshape(-1)
     if vals.dtype != tmap.hf_dtype:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
+from . import derived, dtypes
 from . import fingerprint as fpr
 from .layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
 
@@ -129,7 +129,11 @@ class RankReplica:
                 "sums_s": time.perf_counter() - t0 - learn_s,
                 "const": {p: c for p, c in self.layout.param_const.items() if c},
                 "unwritten": {p: c for p, c in self.layout.param_unwritten.items() if c},
-                "derived": self.layout.derived()}
+                "derived": self.layout.derived(),
+                # kernels' private copies of weights: kept in step (by kind), stale, not kept
+                "derived_copies": derived.kinds(self.model),
+                "stale_derived": derived.stale(self.model),
+                "unmanaged": derived.unmanaged(self.model)}
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)
@@ -237,7 +241,7 @@ class RankReplica:
             for name, vb in values.items():
                 tm = layout.tensors[name]
                 hf = dtypes.info(tm.hf_dtype)
-                new_all = torch.frombuffer(bytearray(vb), dtype=hf.int_dtype)
+                new_all = dtypes.bits_from_bytes(vb, hf.int_dtype)
                 if name not in self._plan:
                     raise ReplicaError(f"{name}: values for a tensor that was not gathered")
                 n, plan = self._plan[name]
@@ -264,6 +268,12 @@ class RankReplica:
                 deltas[name] = d & fpr.MASK64
             if dirty:
                 self.on_dirty(dirty)
+                # what the kernels read: every derived copy built from what was written must have
+                # been rebuilt from the bytes that are there now
+                stale = derived.stale(self.model, [flat for flat, _, _ in undo])
+                if stale:
+                    raise ReplicaError(f"derived copies not rebuilt after the write (kernels would "
+                                       f"read old values): {', '.join(stale[:5])}; undone")
         except BaseException:
             self._restore(undo, dirty)
             raise
@@ -342,7 +352,8 @@ class RankReplica:
         if method == "setup":
             return self.setup(payload["shapes"])
         if method == "sums":
-            return {"sums": self.sums(payload.get("names"))}
+            return {"sums": self.sums(payload.get("names")),
+                    "stale_derived": derived.stale(self.model)}
         if method == "gather":
             return self.gather(payload["id"], payload["positions"])
         if method == "write":
@@ -352,7 +363,7 @@ class RankReplica:
         if method == "commit":
             return self.commit(payload["id"])
         if method == "load":
-            return self.load((n, dtypes.from_int(torch.frombuffer(bytearray(b), dtype=dtypes.info(
+            return self.load((n, dtypes.from_int(dtypes.bits_from_bytes(b, dtypes.info(
                 d).int_dtype), dtypes.info(d).torch_dtype, tuple(s))) for n, d, s, b in
                 payload["tensors"])
         if method == "baseline":

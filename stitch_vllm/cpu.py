@@ -24,7 +24,10 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx"]
+from stitch_core import derived
+from stitch_core.layout import engine_params
+
+__all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
 
 _ORIG_DISPATCH = None
 _ORIG_MOE = None
@@ -62,19 +65,37 @@ def install_cpu_weight_keeper() -> bool:
     _ORIG_DISPATCH = orig
 
     def dispatch(layer, remove_weight):
-        master = layer.weight
-        orig(layer, remove_weight)
-        layer._stitch_cpu_packed = (
-            getattr(getattr(layer, "cpu_linear", None), "__closure__", None) is not None)
-        if layer.weight is not master:  # weight emptied: keep the master for patching
-            layer._stitch_masters = {"weight": master}
-        if layer._stitch_cpu_packed or layer.weight is not master:
-            layer._stitch_repack_on = ("weight",)  # biases are read at call time
-            layer._stitch_repack = functools.partial(_repack_linear, layer, remove_weight)
+        source = layer.weight  # the tensor the packed copy is built from (a tied lm_head: the
+        orig(layer, remove_weight)  # embedding's own parameter)
+        kind = pack_kind(layer)
+        if layer.weight is not source:  # weight emptied: keep the master for patching
+            layer._stitch_masters = {"weight": source}
+        if kind != "torch" or layer.weight is not source:
+            derived.register(layer, kind, {"weight": source},
+                             functools.partial(_repack_linear, layer, remove_weight),
+                             holders=("cpu_linear",))
 
     dispatch.__wrapped__ = orig  # type: ignore[attr-defined]
     lu.dispatch_cpu_unquantized_gemm = dispatch
     return True
+
+
+def pack_kind(layer: torch.nn.Module) -> str:
+    """Which CPU GEMM path vLLM chose for a layer, read from its ``cpu_linear`` closure:
+    ``amx`` (sgl-kernel ``convert_weight_packed``), ``onednn`` (a oneDNN handle), ``zentorch``,
+    ``torch`` (``F.linear`` on the parameter: nothing packed) or ``other``."""
+    fn = getattr(layer, "cpu_linear", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or not getattr(fn, "__closure__", None):
+        return "torch"
+    free = set(code.co_freevars)
+    if "packed_weight" in free:
+        return "amx"
+    if "handler" in free:
+        return "onednn"
+    if "zen_weight" in free:
+        return "zentorch"
+    return "other"
 
 
 def _repack_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -105,8 +126,7 @@ def _install_moe_keeper() -> bool:
                 if m is not None and layer._parameters.get(n) is not m}
         if kept:  # replaced by padded / packed copies (not with zentorch, which keeps them)
             layer._stitch_masters = kept
-            layer._stitch_repack_on = MOE_WEIGHTS
-            layer._stitch_repack = functools.partial(_repack_moe, self, layer)
+            derived.register(layer, "moe-packed", kept, functools.partial(_repack_moe, self, layer))
 
     process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
     cls.process_weights_after_loading = process_weights_after_loading
@@ -120,17 +140,7 @@ def _repack_moe(experts, layer: torch.nn.Module) -> None:
 
 
 def repack_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:
-    """Re-pack the modules whose kept master tensors changed; their names, sorted."""
-    mods = dict(model.named_modules())
-    done = set()
-    for pname in sorted(set(dirty_params)):
-        mod_name, _, attr = pname.rpartition(".")
-        mod = mods.get(mod_name)
-        repack = getattr(mod, "_stitch_repack", None)
-        if repack is None or mod_name in done:
-            continue
-        if attr not in getattr(mod, "_stitch_repack_on", ()):
-            continue  # e.g. a bias: read at call time (fp32 on the AMX path)
-        repack()
-        done.add(mod_name)
-    return sorted(done)
+    """Re-pack every module whose packed copy is built from a changed parameter (by storage: a
+    tied lm_head re-packs with the embedding); the modules' names, sorted."""
+    params = engine_params(model)
+    return derived.rebuild_from(model, [params[n] for n in set(dirty_params) if n in params])

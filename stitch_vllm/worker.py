@@ -84,6 +84,15 @@ class StitchWorkerExtension:
         return {n: p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 for n, p in params.items() if names is None or n in names}
 
+    def stitch_derived_report(self) -> dict[str, Any]:
+        """Kernels' private copies of weights on this rank: {kind: count}, stale ones, and
+        closures no adapter accounts for (what tests print as the CPU path they exercised)."""
+        from stitch_core import derived
+
+        model = self._stitch_model()
+        return {"kinds": derived.kinds(model), "stale": derived.stale(model),
+                "unmanaged": derived.unmanaged(model)}
+
     def stitch_param_shapes(self) -> dict[str, Any]:
         """Shapes of ``named_parameters`` as vLLM exposes them (packed layers may be empty)."""
         return {n: (tuple(p.shape), str(p.dtype))

@@ -1,0 +1,159 @@
+"""Derived copies: engine state built from a weight after loading, kept in step and proven current.
+
+Some engine kernels never read the parameter a patch writes. vLLM's CPU backend packs linear
+weights into private copies (an AMX-packed tensor or a oneDNN handle held in a closure) and reads
+only those; a tied ``lm_head`` packs its *own* copy of ``embed_tokens.weight``. A fingerprint of
+the parameter proves the parameter, not the copy: an in-place write that does not rebuild every
+copy built from it serves old numbers under a verified label.
+
+An engine adapter registers each copy it builds with `register` (module, the source tensors the
+copy is built from, how to rebuild it). This module then
+
+* rebuilds every copy whose sources share storage with what an apply wrote (`rebuild_from`):
+  selection by *storage*, not by parameter name, so a tied weight rebuilds both the embedding's and
+  the lm_head's copies;
+* proves a copy current (`stale`): each copy carries a stamp, the BLAKE2b digest of its sources'
+  bytes at the moment it was built; a copy whose sources no longer hash to its stamp was not
+  rebuilt after they changed. The rank checks the copies an apply touched inside the write (a stale
+  one undoes the apply) and every copy on a full check (``/stitch/verify``);
+* names what it cannot keep in step (`unmanaged`): a module attribute that is a closure over a
+  tensor or an opaque object (the shape vLLM's packed kernels take) that no adapter registered.
+
+The stamp proves "rebuilt from exactly these bytes by the engine's own packing function", which is
+deterministic; it does not re-check the packing function itself. Engine-agnostic: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DerivedCopy", "register", "copies", "rebuild_from", "stale", "unmanaged", "kinds",
+           "digest"]
+
+ATTR = "_stitch_derived"
+# closures over these are not derived state (configuration, other code)
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, types.FunctionType,
+          types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, torch.nn.Module)
+
+
+@dataclass
+class DerivedCopy:
+    """One module's derived state: `kind` (e.g. ``amx``, ``onednn``), the `sources` it is built
+    from ({attribute: tensor}), `rebuild` (rebuilds it from the sources as they are now), the
+    attributes that hold it (`holders`, e.g. ``cpu_linear``) and the `stamp` of its last build."""
+
+    kind: str
+    sources: dict[str, torch.Tensor]
+    rebuild: Callable[[], object]
+    holders: tuple[str, ...] = ()
+    stamp: bytes = field(default=b"", repr=False)
+
+    def restamp(self) -> None:
+        self.stamp = digest(self.sources.values())
+
+    def current(self) -> bool:
+        return digest(self.sources.values()) == self.stamp
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> bytes:
+    """BLAKE2b-128 of the raw bytes of `tensors`, in order (shape and dtype included)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach()
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+        if t.numel():
+            flat = t.reshape(-1)
+            if flat.device.type != "cpu":
+                flat = flat.cpu()
+            h.update(flat.contiguous().view(torch.uint8).numpy().data)
+    return h.digest()
+
+
+def register(module: torch.nn.Module, kind: str, sources: Mapping[str, torch.Tensor],
+             rebuild: Callable[[], object], holders: Iterable[str] = ()) -> DerivedCopy:
+    """Record that `module` holds state of `kind` built just now from `sources`."""
+    dc = DerivedCopy(kind, dict(sources), rebuild, tuple(holders))
+    dc.restamp()
+    setattr(module, ATTR, dc)
+    return dc
+
+
+def copies(model: torch.nn.Module) -> list[tuple[str, DerivedCopy]]:
+    """(module name, copy) for every registered copy, one per module."""
+    return [(name or "<root>", dc) for name, mod in model.named_modules()
+            if isinstance(dc := getattr(mod, ATTR, None), DerivedCopy)]
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> set[tuple[str, int]]:
+    out = set()
+    for t in tensors:
+        if t.numel():
+            out.add((t.device.type, t.untyped_storage().data_ptr()))
+    return out
+
+
+def _touches(dc: DerivedCopy, storages: set[tuple[str, int]]) -> bool:
+    return bool(_storages(dc.sources.values()) & storages)
+
+
+def rebuild_from(model: torch.nn.Module, written: Iterable[torch.Tensor]) -> list[str]:
+    """Rebuild (and restamp) every copy built from storage that `written` shares; their names."""
+    storages = _storages(written)
+    done = []
+    for name, dc in copies(model):
+        if _touches(dc, storages):
+            dc.rebuild()
+            dc.restamp()
+            done.append(name)
+    return sorted(done)
+
+
+def stale(model: torch.nn.Module, written: Iterable[torch.Tensor] | None = None) -> list[str]:
+    """Copies whose sources no longer hash to their stamp (only those built from `written`, when
+    given): state the kernels read that was not rebuilt after its weight changed."""
+    storages = None if written is None else _storages(written)
+    return sorted(f"{name} ({dc.kind})" for name, dc in copies(model)
+                  if (storages is None or _touches(dc, storages)) and not dc.current())
+
+
+def kinds(model: torch.nn.Module) -> dict[str, int]:
+    """{kind: number of registered copies}."""
+    out: dict[str, int] = {}
+    for _, dc in copies(model):
+        out[dc.kind] = out.get(dc.kind, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _opaque(value: object) -> bool:
+    return isinstance(value, torch.Tensor) or not isinstance(value, _PLAIN + (tuple, list, dict))
+
+
+def unmanaged(model: torch.nn.Module) -> list[str]:
+    """Module attributes that are closures over tensors or opaque objects (a kernel's private copy
+    of something) and that no registered copy accounts for: ``module.attr`` names."""
+    out = []
+    for name, mod in model.named_modules():
+        dc = getattr(mod, ATTR, None)
+        held = set(dc.holders) if isinstance(dc, DerivedCopy) else set()
+        for attr, value in vars(mod).items():
+            if attr.startswith("_stitch") or attr in held:
+                continue
+            cells = getattr(value, "__closure__", None) if callable(value) else None
+            if not cells:
+                continue
+            if any(_opaque(c.cell_contents) for c in cells if _filled(c)):
+                out.append(f"{name}.{attr}" if name else attr)
+    return sorted(out)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True

@@ -1,0 +1,141 @@
+"""stitch_core.derived: kernels' private copies of weights kept in step with in-place patches.
+
+A small tied model whose "kernels" read packed copies (clones held in closures), as vLLM's CPU
+backend does: the embedding and the tied lm_head each pack their own copy of one parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stitch_core import derived
+from stitch_core.layout import engine_params
+from stitch_core.replica import RankReplica, ReplicaError
+
+V, D = 40, 8
+
+
+def _pack(layer: nn.Module, source: torch.Tensor) -> None:
+    packed = source.detach().clone()  # a private copy, as a packed kernel keeps
+    layer.cpu_linear = lambda x: x @ packed.t()
+
+
+class Tied(nn.Module):
+    """embed_tokens and lm_head share one parameter; each 'packs' its own copy of it."""
+
+    def __init__(self, register: bool = True):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(V, D)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.proj = nn.Linear(D, D, bias=False)
+        for mod in (self.model.embed_tokens, self.lm_head, self.model.proj):
+            w = mod.weight
+            _pack(mod, w)
+            if register:
+                derived.register(mod, "toy", {"weight": w},
+                                 lambda mod=mod, w=w: _pack(mod, w), holders=("cpu_linear",))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        h = self.model.proj.cpu_linear(h)
+        return self.lm_head.cpu_linear(h)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+        return set(params)
+
+
+def _shapes(model: nn.Module) -> dict:
+    return {"model.embed_tokens.weight": ((V, D), "F32"),
+            "model.proj.weight": ((D, D), "F32")}
+
+
+def test_tied_weight_rebuilds_every_copy_by_storage():
+    m = Tied()
+    assert derived.kinds(m) == {"toy": 3}
+    assert derived.stale(m) == [] and derived.unmanaged(m) == []
+    w = m.model.embed_tokens.weight
+    with torch.no_grad():
+        w[3, 1] += 1.0
+    # both copies built from the shared parameter are stale, the other one is not
+    assert derived.stale(m) == ["lm_head (toy)", "model.embed_tokens (toy)"]
+    assert derived.stale(m, [m.model.proj.weight]) == []
+    done = derived.rebuild_from(m, [engine_params(m)["model.embed_tokens.weight"]])
+    assert done == ["lm_head", "model.embed_tokens"]  # the alias too, though it has no name
+    assert derived.stale(m) == []
+    ids = torch.tensor([[1, 3, 5]])
+    fresh = Tied()  # built and packed from the changed bytes
+    fresh.load_weights((n, p.detach()) for n, p in m.named_parameters())
+    for mod in (fresh.model.embed_tokens, fresh.lm_head, fresh.model.proj):
+        _pack(mod, mod.weight)
+    assert torch.equal(m(ids), fresh(ids))
+
+
+def test_unregistered_closure_over_a_copy_is_named():
+    m = Tied(register=False)
+    assert derived.unmanaged(m) == ["lm_head.cpu_linear", "model.embed_tokens.cpu_linear",
+                                    "model.proj.cpu_linear"]
+    m2 = nn.Linear(2, 2)
+    m2.act = lambda x: torch.relu(x)  # a closure over nothing: not state
+    k = 3
+    m2.scale = lambda x: x * k  # over a number: not state
+    assert derived.unmanaged(m2) == []
+
+
+def _replica(m: nn.Module, rebuild: bool) -> RankReplica:
+    def on_dirty(dirty):
+        if rebuild:
+            params = engine_params(m)
+            derived.rebuild_from(m, [params[n] for n in dirty])
+
+    rep = RankReplica(m, on_dirty=on_dirty)
+    info = rep.setup(_shapes(m))
+    assert info["derived_copies"] == {"toy": 3} and info["stale_derived"] == []
+    assert info["unmanaged"] == []
+    return rep
+
+
+def _gather_write(rep: RankReplica, pos: list[int], new: torch.Tensor):
+    import numpy as np
+
+    name = "model.embed_tokens.weight"
+    rep.gather("a1", {name: np.asarray(pos, dtype=np.int32).tobytes()})
+    return rep.write("a1", {name: new.view(torch.int32).numpy().tobytes()})
+
+
+def test_write_that_leaves_a_copy_stale_is_undone():
+    m = Tied()
+    before = m.model.embed_tokens.weight.detach().clone()
+    rep = _replica(m, rebuild=False)
+    with pytest.raises(ReplicaError, match="derived copies not rebuilt.*lm_head"):
+        _gather_write(rep, [0, 17, V * D - 1], torch.tensor([1.5, -2.0, 3.25]))
+    assert torch.equal(m.model.embed_tokens.weight, before)  # undone
+    assert derived.stale(m) == []
+
+
+def test_write_rebuilds_the_tied_copies_and_serves_the_new_values():
+    m = Tied()
+    rep = _replica(m, rebuild=True)
+    out = _gather_write(rep, [0, 17, V * D - 1], torch.tensor([1.5, -2.0, 3.25]))
+    assert out["dirty"] == ["model.embed_tokens.weight"]
+    rep.commit("a1")
+    assert derived.stale(m) == []
+    w = m.model.embed_tokens.weight.reshape(-1)
+    assert w[17].item() == -2.0
+    ids = torch.tensor([[0, 2, V - 1]])
+    ref = m.model.proj(m.model.embed_tokens(ids)) @ m.model.embed_tokens.weight.t()
+    assert torch.equal(m(ids), ref)  # the kernels read the patched bytes
+
+
+def test_sums_report_a_copy_left_stale_behind_the_replica():
+    m = Tied()
+    rep = _replica(m, rebuild=True)
+    with torch.no_grad():  # e.g. a write that bypassed the apply path
+        m.model.proj.weight[0, 0] = 9.0
+    assert rep.dispatch("sums", {})["stale_derived"] == ["model.proj (toy)"]

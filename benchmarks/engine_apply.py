@@ -69,6 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # stitch_dev (the tiny model builder) lives in the checkout
+    sys.path.append(str(ROOT))
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
 
 # name -> build_tiny_model overrides (qwen2; head_dim 32/64 for vLLM's CPU attention)
@@ -424,7 +426,7 @@ def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: i
     """Build the model, publish v0..vN for each lr (one run per lr, same v0), pull v0."""
     from stitch_core.board import LocalBoard
     from stitch_core.cli_versions import pull
-    from stitch_vllm.testmodel import build_tiny_model
+    from stitch_dev.tinymodel import build_tiny_model
 
     d = work / size
     model_dir = build_tiny_model(d / "model", arch="qwen2", **cfg)
@@ -589,8 +591,8 @@ def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
     from stitch_core.board import LocalBoard
     from stitch_core.cli_versions import pull
     from stitch_core.natsserver import NatsServer
+    from stitch_dev.tinymodel import build_tiny_model
     from stitch_trainer import Publisher
-    from stitch_vllm.testmodel import build_tiny_model
 
     d = work / "serve"
     model_dir = build_tiny_model(d / "model", arch="qwen2")

@@ -47,6 +47,8 @@ from stitch_core.natsserver import NatsServer
 from stitch_trainer import Publisher
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # stitch_dev (the tiny model builder): a checkout's dev helpers,
+    sys.path.append(str(ROOT))  # not installed; the installed stitch packages come first
 ENGINES = ("vllm", "sglang")
 PROMPT = "The quick brown"
 MAX_TOKENS = 12
@@ -81,7 +83,8 @@ class Engine:
                   "STITCH_CACHE_DIR": str(log.parent / f"{log.stem}-cache")}
         self.shown_env = {**self.engine_env(), **stitch}  # what a user would set
         env = dict(os.environ, **self.shown_env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self.pythonpath(), str(ROOT),
+        # the engine imports Stitch from its venv's installed distribution, as a user's does
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self.pythonpath(),
                                                           os.environ.get("PYTHONPATH")]))
         self.cmd = [str(python), *self.command()]
         self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
@@ -230,7 +233,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from stitch_vllm.testmodel import CORPUS
+        from stitch_dev.tinymodel import CORPUS
 
         hf_logging.disable_progress_bar()
         torch.manual_seed(0)
@@ -285,7 +288,7 @@ class EngineDemo:
         self.engine: Engine | None = None
 
     def __enter__(self) -> EngineDemo:
-        from stitch_vllm.testmodel import build_tiny_model
+        from stitch_dev.tinymodel import build_tiny_model
 
         try:
             work = self.work

@@ -23,3 +23,41 @@ async def nc(nats_server):
     conn = await connect(nats_server.url)
     yield conn
     await conn.close()
+
+
+# ------------------------------------------------------------------ which CPU weight path ran
+# The engine suites say which of the engine's CPU GEMM paths each test exercised (vLLM packs
+# weights with AMX or oneDNN where the CPU can, and reads the parameters directly elsewhere), so a
+# run on a host that does not pack is visible as such, never silently counted as the packed case.
+_CPU_PATHS: dict[str, str] = {}
+
+
+def describe_cpu_paths(kinds: dict[str, int]) -> str:
+    """'amx 120, onednn 49' from {kind: count}; what a host that packs nothing gets, said so."""
+    return (", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+            or "nothing packed (kernels read the parameters)")
+
+
+@pytest.fixture
+def record_cpu_path(request):
+    """record_cpu_path(kinds, dtype): note the packed copies an engine kept in step in a test."""
+    def record(kinds: dict[str, int], dtype: str = "bfloat16") -> None:
+        text = f"{dtype}: {describe_cpu_paths(kinds)}"
+        prev = _CPU_PATHS.get(request.node.nodeid)
+        _CPU_PATHS[request.node.nodeid] = f"{prev}; {text}" if prev else text
+        print(f"CPU weight path: {text}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU_PATHS:
+        return
+    import torch
+
+    caps = torch.backends.cpu.get_cpu_capability()
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    terminalreporter.section(
+        f"CPU weight paths exercised (host: {caps}, AMX {'yes' if amx else 'no'})")
+    for nodeid, text in _CPU_PATHS.items():
+        terminalreporter.line(f"{nodeid}: {text}")

@@ -13,10 +13,10 @@ from stitch_core import fingerprint as fpr
 from stitch_core.board import LocalBoard
 from stitch_core.cli_versions import list_manifests
 from stitch_core.views import project
+from stitch_dev.tinymodel import build_tiny_model
 from stitch_trainer import Publisher
 from stitch_trainer.hf import StitchCallback
 from stitch_trainer.publisher import named_tensors
-from stitch_vllm.testmodel import build_tiny_model
 
 
 def test_grpo_trainer_publishes_each_step(tmp_path):

@@ -6,7 +6,7 @@ Run with the SGLang venv's python (sglang 0.5.23, torch 2.14.1, stitch installed
     /work/sglang-venv/bin/python tests/sglang/smoke.py [--tp 2] [--model-dir DIR] [--port P]
 
 With no --model-dir a tiny random Qwen2 checkpoint is built in a temporary folder
-(``stitch_vllm.testmodel.build_tiny_model``). The stand-in ``sgl_kernel`` (tests/sglang/stub) is put
+(``stitch_dev.tinymodel.build_tiny_model``). The stand-in ``sgl_kernel`` (tests/sglang/stub) is put
 first on PYTHONPATH: the registry has no CPU build of ``sglang-kernel``, and dense models on the
 torch_native backend call none of its functions. Start-up takes about 1.5-2.5 minutes on 2 busy
 cores. The server runs in its own process group and is stopped (SIGTERM, then SIGKILL) at exit.
@@ -97,7 +97,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="stitch-sglang-smoke-")
     model_dir = a.model_dir
     if model_dir is None:
-        from stitch_vllm.testmodel import build_tiny_model
+        from stitch_dev.tinymodel import build_tiny_model
 
         model_dir = str(Path(tmp.name) / f"tiny-{a.arch}")
         build_tiny_model(model_dir, arch=a.arch)

@@ -28,7 +28,7 @@ from stitch_core import fingerprint as fpr  # noqa: E402
 from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_core.versions import read_manifest  # noqa: E402
-from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
+from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
 from ..engine_common import ServerProcess, Trainer, vllm_cmd, vllm_env  # noqa: E402
 from ..procs import free_port  # noqa: E402

@@ -25,7 +25,7 @@ from stitch_core import fingerprint as fpr  # noqa: E402
 from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
 from stitch_core.versions import read_manifest  # noqa: E402
-from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
+from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
 from ..engine_common import Trainer, forge_next_version, wait_rejected  # noqa: E402
 from .engines import PROMPTS, Server, fresh_outputs  # noqa: E402

@@ -18,7 +18,7 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 
 from stitch_core.board import LocalBoard  # noqa: E402
 from stitch_core.cli_versions import pull  # noqa: E402
-from stitch_vllm.testmodel import build_tiny_model  # noqa: E402
+from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
 from ..engine_common import Trainer  # noqa: E402
 from .engines import Server, fresh_outputs  # noqa: E402

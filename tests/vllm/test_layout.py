@@ -35,14 +35,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stitch_core import layout as L
+from stitch_dev.tinymodel import REALISTIC, build_tiny_model
 from stitch_vllm.cpu import install_cpu_weight_keeper
-from stitch_vllm.testmodel import build_tiny_model
 
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 SP = dict(temperature=0.0, max_tokens=12, logprobs=3, seed=0)
 # qwen3_moe: per-expert HF tensors land in vLLM's fused expert weights (w13 / w2 of FusedMoE)
-ARCHS = ["qwen2", "llama", "qwen3", "qwen3_moe"]
+# realistic: tied Llama of production shape (24 layers, GQA, 32k vocab; stitch_dev.tinymodel)
+ARCHS = ["qwen2", "llama", "qwen3", "qwen3_moe", "realistic"]
 
 
 def _engine(model_dir, dtype="bfloat16"):
@@ -104,6 +105,12 @@ def _changed_checkpoint(src, dst, change):
     return dst
 
 
+def _pad_rows(hf_shapes) -> int:
+    """Rows vLLM adds to the vocab (padded to a multiple of 64)."""
+    vocab = hf_shapes["model.embed_tokens.weight"][0][0]
+    return -vocab % 64
+
+
 def _check_layout(summary, hf_shapes, expect_vocab_pad_rows):
     params = summary["params"]
     for name, (shape, _) in hf_shapes.items():
@@ -146,7 +153,8 @@ def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_layout")
     out = {}
     for arch in ARCHS:
-        a = build_tiny_model(base / f"{arch}_a", arch=arch, seed=0)
+        kw = REALISTIC if arch == "realistic" else {"arch": arch}
+        a = build_tiny_model(base / f"{arch}_a", seed=0, **kw)
         w = load_file(str(a / "model.safetensors"))
         change = _random_change(w)
         b = _changed_checkpoint(a, base / f"{arch}_b", change)
@@ -155,20 +163,25 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_patch_through_layout_matches_fresh_engine(ckpts, arch):
+def test_patch_through_layout_matches_fresh_engine(ckpts, arch, record_cpu_path):
     a, b, change = ckpts[arch]
     hf_shapes = L.read_safetensors_shapes(a)
 
     llm = _engine(a)
     try:
+        report = llm.collective_rpc("stitch_derived_report")[0]
+        assert report["stale"] == [] and report["unmanaged"] == []
+        record_cpu_path(report["kinds"])
         before = _generate(llm)
         summary = llm.collective_rpc("stitch_learn_layout")[0]
-        _check_layout(summary, hf_shapes, expect_vocab_pad_rows=512 - 500)
+        _check_layout(summary, hf_shapes, expect_vocab_pad_rows=_pad_rows(hf_shapes))
         assert _values_through_layout(llm, load_file(str(a / "model.safetensors"))) == []
         assert _generate(llm) == before  # learning restored the engine weights
 
         res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]
         assert res["written"] == sum(len(p) for p, _ in change.values())
+        # every packed copy built from a changed weight was rebuilt (a tied lm_head's too)
+        assert llm.collective_rpc("stitch_derived_report")[0]["stale"] == []
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         patched = _generate(llm)
         patched_bytes = llm.collective_rpc("stitch_param_bytes")[0]
@@ -188,23 +201,26 @@ def test_patch_through_layout_matches_fresh_engine(ckpts, arch):
     assert patched == want  # greedy tokens and logprobs, exactly
 
 
-def test_cpu_packed_linear_keeper(ckpts):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: tied lm_head packs its own copy
+def test_cpu_packed_linear_keeper(ckpts, arch, record_cpu_path):
     """fp32 engine: vLLM packs linear weights (oneDNN) and empties layer.weight.
 
     With the weight keeper installed the masters stay patchable, and changed
     layers are re-packed; the result equals a fresh engine on the new checkpoint.
     """
-    a, b, change = ckpts["qwen2"]
+    a, b, change = ckpts[arch]
     assert install_cpu_weight_keeper()
     llm = _engine(a, dtype="float32")
     try:
         shapes = llm.collective_rpc("stitch_param_shapes")[0]
         packed = [n for n, (s, _) in shapes.items() if tuple(s) == (0,)]
+        record_cpu_path(llm.collective_rpc("stitch_derived_report")[0]["kinds"], "float32")
         summary = llm.collective_rpc("stitch_learn_layout")[0]
         _check_layout(summary, L.read_safetensors_shapes(a), expect_vocab_pad_rows=12)
         res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]
         if packed:
             assert res["repacked"], "packed layers changed but none was re-packed"
+        assert llm.collective_rpc("stitch_derived_report")[0]["stale"] == []
         llm.reset_prefix_cache()
         patched = _generate(llm)
         patched_bytes = llm.collective_rpc("stitch_param_bytes")[0]

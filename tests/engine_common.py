@@ -42,7 +42,9 @@ class ServerProcess:
         self.model = model
         self.log = log
         self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, env=dict(env), stdout=self._logf,
+        # run outside the checkout, so the engine imports Stitch from its venv's installed
+        # distribution (entry points and modules), as a user's engine does
+        self.proc = subprocess.Popen(cmd, env=dict(env), stdout=self._logf, cwd=log.parent,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
 

@@ -87,7 +87,7 @@ def fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, list[di
     out = tmp / "fresh.json"
     subprocess.run([sys.executable, "-c", FRESH, json.dumps([str(d) for d in dirs]), str(tp),
                     str(out), json.dumps(PROMPTS), str(MAX_TOKENS), str(TOP)],
-                   env=engine_env(tp), check=True, timeout=900)
+                   env=engine_env(tp), check=True, timeout=900, cwd=tmp)
     res = json.loads(out.read_text())
     return {d: [{"tokens": r["tokens"], "top": [{int(k): v for k, v in s.items()}
                                                 for s in r["top"]]} for r in rows]

@@ -268,6 +268,46 @@ async def test_params_computed_after_loading_are_refused_unless_allowed(publishe
     assert coord.status()["derived_params"] == ["absorbed"]
 
 
+async def test_unregistered_packed_copies_are_refused_and_stale_ones_fail_verify(published):
+    """A kernel's private copy of a weight that no adapter registered (a closure over a tensor,
+    the shape of vLLM's packed CPU weights) is refused at start-up by name. A registered copy that
+    is left stale (its weight changed without a rebuild) fails the full check."""
+    from stitch_core import derived
+
+    root, views = published
+    d = root / "pulled-packed"
+    await pull(LocalBoard(root / "board"), RUN, 0, d, root / "cache", quiet=True)
+
+    def engines(register: bool):
+        es = _engines(2, views[0])
+        for e in es:
+            mod = e.model.layers[0].down_proj
+            packed = mod.weight.detach().clone()
+            mod.cpu_linear = (lambda p: (lambda x: x @ p.t()))(packed)
+            if register:
+                derived.register(mod, "toy", {"weight": mod.weight}, lambda: None,
+                                 holders=("cpu_linear",))
+        return es
+
+    strict = Coordinator(_rpc([RankReplica(e) for e in engines(False)]), run=RUN)
+    with pytest.raises(EngineStateError, match=r"written by no loader.*down_proj\.cpu_linear"):
+        await strict.start(d)
+    es = engines(True)
+    # (the fallback covers the toy's transformed `scale`, not the copies: none is unregistered)
+    coord = Coordinator(_rpc([RankReplica(e) for e in es]), run=RUN, loader_fallback=True)
+    assert await coord.start(d) == 0
+    assert coord.status()["derived_params"] == []
+    assert coord.status()["derived_copies"] == {"toy": 2}
+    assert (await coord.verify())["ok"] is True
+    with torch.no_grad():  # the weight changes behind the copy's back (no rebuild)
+        w = es[1].model.layers[0].down_proj.weight
+        w.view(-1)[0] = w.view(-1)[0] * 2 + 1
+    check = await coord.verify()
+    assert check["ok"] is False
+    assert any("down_proj (toy)" in s for s in check["stale_derived"]), check
+    assert coord.version is None  # not serving what it cannot prove
+
+
 async def test_a_tensor_the_engine_does_not_load_is_neither_proven_nor_written(tmp_path):
     """A checkpoint tensor the engine's loaders skip (as vLLM skips a tied lm_head) maps to no
     element on any rank: it is reported as unheld, not refused, and patches to it are skipped

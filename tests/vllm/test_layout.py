@@ -291,3 +291,27 @@ def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
         assert patched == _generate(fresh)
     finally:
         _shutdown(fresh)
+
+
+def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):
+    """The check that would have caught the tied lm_head bug: patch the weights of a tied model
+    without re-packing. Where vLLM packs (AVX-512 / AMX hosts), the derived-copy check names the
+    stale copies, the tied lm_head's among them; re-packing by storage clears them. On a host that
+    packs nothing there is no copy to go stale, and the test says so."""
+    a, _, change = ckpts["qwen3"]
+    llm = _engine(a)
+    try:
+        kinds = llm.collective_rpc("stitch_derived_report")[0]["kinds"]
+        record_cpu_path(kinds)
+        llm.collective_rpc("stitch_learn_layout")
+        llm.collective_rpc("stitch_apply", args=(_chunks(change),), kwargs={"repack": False})
+        stale = llm.collective_rpc("stitch_derived_report")[0]["stale"]
+        res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]  # same bits again
+        after = llm.collective_rpc("stitch_derived_report")[0]["stale"]
+    finally:
+        _shutdown(llm)
+    if not kinds:
+        pytest.skip("this host's vLLM packs no bf16 weights: no packed copy can go stale here")
+    assert any(s.startswith("lm_head ") for s in stale), stale
+    assert any(s.startswith("model.embed_tokens ") for s in stale), stale
+    assert "lm_head" in res["repacked"] and after == []

@@ -50,8 +50,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from adam_data import adamw_run, shape_for  # noqa: E402
 
 import stitch_core  # noqa: E402
-from stitch_core import dtypes, views  # noqa: E402
-from stitch_core import fingerprint as fpr  # noqa: E402
+from stitch_core.format import dtypes, views  # noqa: E402
+from stitch_core.format import fingerprint as fpr  # noqa: E402
 
 Tensors = Mapping[str, torch.Tensor]
 Edits = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (positions, new int bits)

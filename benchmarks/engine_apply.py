@@ -227,7 +227,7 @@ class _VllmJob(_JobEngine):
                        disable_log_stats=True)
         self.start_s = time.perf_counter() - t0
 
-        import stitch_core.replica as replica_mod
+        import stitch_core.engine.replica as replica_mod
 
         self.worker = self.llm.collective_rpc(lambda w: getattr(w, "worker", w))[0]
         self.timed_fpr = _TimedFpr(replica_mod.fpr)
@@ -296,7 +296,7 @@ class _SglangJob(_JobEngine):
         self.engine = sglang.Engine(model_path=job["model_dir"], **SGLANG_ENGINE)
         self.start_s = time.perf_counter() - t0
 
-        from stitch_core.engine import Settings
+        from stitch_core.node import Settings
         from stitch_sglang.server import SglangFollower
 
         self.follower = SglangFollower(self.engine.tokenizer_manager, Settings())
@@ -322,9 +322,9 @@ def engine_job(job_path: str) -> None:
 
     import gc
 
-    from stitch_core.board import LocalBoard
-    from stitch_core.coordinator import Coordinator
-    from stitch_core.versions import fetch_object, fetch_patch, read_manifest
+    from stitch_core.engine.coordinator import Coordinator
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import fetch_object, fetch_patch, read_manifest
 
     board = LocalBoard(job["board"])
     cache = Path(job["cache"])
@@ -424,8 +424,8 @@ class Trainer:
 
 def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: int) -> dict:
     """Build the model, publish v0..vN for each lr (one run per lr, same v0), pull v0."""
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
     from stitch_dev.tinymodel import build_tiny_model
 
     d = work / size
@@ -588,9 +588,9 @@ class SglangServer(Server):
 
 def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
                   server_cls: type[Server] = Server, stub: bool = False) -> dict:
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
-    from stitch_core.natsserver import NatsServer
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
+    from stitch_core.versions.natsserver import NatsServer
     from stitch_dev.tinymodel import build_tiny_model
     from stitch_trainer import Publisher
 

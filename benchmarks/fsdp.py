@@ -74,9 +74,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from adam_data import ModelShape, shape_for  # noqa: E402
 
 import stitch_core  # noqa: E402
-from stitch_core import fingerprint as fpr  # noqa: E402
-from stitch_core.patch import PatchBuilder  # noqa: E402
-from stitch_core.views import project  # noqa: E402
+from stitch_core.format import fingerprint as fpr  # noqa: E402
+from stitch_core.format.patch import PatchBuilder  # noqa: E402
+from stitch_core.format.views import project  # noqa: E402
 
 RUN = "bench-fsdp"
 VIEW = "bf16"

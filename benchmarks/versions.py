@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from stitch_core import diff
-from stitch_core import fingerprint as fpr
-from stitch_core.follower import Follower, MemoryReplica
-from stitch_core.natsserver import NatsServer
-from stitch_core.views import project
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.views import project
+from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.natsserver import NatsServer
 from stitch_trainer.publisher import Publisher
 
 
@@ -115,7 +115,7 @@ def main() -> None:
     server = None
     board_url = str(board_dir)
     if a.board == "http":
-        from stitch_core.board.serve import serve
+        from stitch_core.versions.board.serve import serve
 
         server = serve(board_dir, "127.0.0.1", 0)
         threading.Thread(target=server.serve_forever, daemon=True).start()

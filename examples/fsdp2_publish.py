@@ -86,9 +86,10 @@ def worker(rank: int, port: int, work: Path, steps: int, view: str) -> None:
 
 
 async def follow(work: Path) -> None:
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import list_manifests, pull
-    from stitch_core.follower import Follower, MemoryReplica
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.follower import Follower, MemoryReplica
+    from stitch_core.versions.materialize import pull
+    from stitch_core.versions.store import list_manifests
 
     board = LocalBoard(work / "board")
     ms = await list_manifests(board, RUN)

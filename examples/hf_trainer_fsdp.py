@@ -129,10 +129,10 @@ def main() -> None:
 def check(work: Path, final: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import load_file
 
-    from stitch_core import dtypes
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
-    from stitch_core.views import project
+    from stitch_core.format import dtypes
+    from stitch_core.format.views import project
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
 
     out = work / "pulled"
     m = asyncio.run(pull(LocalBoard(work / "board"), RUN, None, out, work / "cache", quiet=True))

@@ -15,8 +15,8 @@ import io
 
 import torch
 
-from stitch_core import dtypes
-from stitch_core.patch import PatchBuilder, apply
+from stitch_core.format import dtypes
+from stitch_core.format.patch import PatchBuilder, apply
 from stitch_trainer.megatron import (
     MegatronLayout,
     add_part,

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from stitch_core import fingerprint as fpr
-from stitch_core.follower import Follower, MemoryReplica
-from stitch_core.natsserver import NatsServer
-from stitch_core.views import project
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.views import project
+from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.natsserver import NatsServer
 from stitch_trainer import Publisher
 
 RUN = "demo"

@@ -41,9 +41,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from stitch_core.board import LocalBoard
-from stitch_core.cli_versions import pull
-from stitch_core.natsserver import NatsServer
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_core.versions.natsserver import NatsServer
 from stitch_trainer import Publisher
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -236,6 +236,7 @@ def main() -> int:
         return 0
     if what == "test":
         run(PY, "-m", "ruff", "check", ".", env=env)
+        run(VENV / "bin" / "lint-imports", env=env)  # the layer contracts in pyproject.toml
         check_wheel()
         run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
             *sys.argv[2:], env=env)

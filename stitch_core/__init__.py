@@ -1,24 +1,42 @@
-"""Stitch core: served views, lossless patches, fingerprints. No engine, no trainer.
+"""Stitch core: served views, lossless patches, versions, the engine-side apply machinery and the
+version protocol. No engine, no trainer.
 
-Submodules import lazily, so an engine plugin importing `stitch_core.layout` (torch and numpy)
-does not pay for the codec's numba kernels until it needs them.
+One layer per subpackage, each importing only the layers below it (checked in CI by
+import-linter; docs/architecture.md):
+
+    cli        the `stitch` command line (top)
+    node       the composition root of an engine node: follower + coordinator + gate + ASGI
+    engine     in-place apply inside an engine: layout maps, ranks, coordinator, derived copies
+    serve      the version protocol over HTTP: headers, gate, ASGI middleware, metrics
+    versions   manifests, boards, store and plan, materialise and pull, NATS, the follower
+    format     dtypes, views, fingerprints, the codec, the `.stp` container, diff/apply
+
+`engine` and `serve` are independent of each other. Submodules import lazily, so an engine plugin
+importing `stitch_core.engine.layout` (torch and numpy) does not pay for the codec's numba kernels
+until it needs them. The flat module paths of earlier releases (`stitch_core.patch`,
+`stitch_core.coordinator`, ...) still import, with a DeprecationWarning (`stitch_core._moved`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from stitch_core import _moved
+from stitch_core.errors import StitchError
+
 __version__ = "0.1.0"
-__all__ = ["Patch", "PatchError", "apply", "diff", "__version__"]
+__all__ = ["Patch", "PatchError", "StitchError", "apply", "diff", "__version__"]
+
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:
     if name in ("Patch", "apply", "diff"):
-        from . import patch
+        from stitch_core.format import patch
 
         return getattr(patch, name)
     if name == "PatchError":
-        from .stp import PatchError
+        from stitch_core.format.stp import PatchError
 
         return PatchError
     raise AttributeError(f"module 'stitch_core' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The HTTP-process side of the SGLang plugin: `SglangFollower` and `StitchMiddleware`.
 
 The plugin (`stitch_sglang.plugin`) adds `StitchMiddleware` to SGLang's FastAPI app just before
-uvicorn starts. At application start-up it starts a `SglangFollower` (a `stitch_core.engine.
+uvicorn starts. At application start-up it starts a `SglangFollower` (a `stitch_core.node.
 EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
 
 * RPC: a `StitchCallReqInput` through the TokenizerManager's scheduler channel, answered by every
@@ -16,7 +16,7 @@ EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
 
 The version protocol, `/stitch/status`, `/stitch/verify` and the Prometheus metrics come from
 `stitch_core`; `/generate` (POST and PUT) is version-controlled besides the OpenAI paths.
-Configuration: the environment (`stitch_core.engine.Settings`: STITCH_BOARD, STITCH_RUN, ...).
+Configuration: the environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, ...).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stitch_core import protocol
-from stitch_core.engine import EngineFollower, FollowerMiddleware, Settings, current
+from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
+from stitch_core.serve import protocol
+from stitch_core.versions.manifest import PULLED_MANIFEST
 
 log = logging.getLogger("stitch.sglang")
 
@@ -184,7 +185,7 @@ def follows(model_path: str | None, env: dict[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     if env.get("STITCH_BOARD") or env.get("STITCH_RUN"):
         return True
-    return bool(model_path) and (Path(str(model_path)) / "stitch-manifest.json").is_file()
+    return bool(model_path) and (Path(str(model_path)) / PULLED_MANIFEST).is_file()
 
 
 def before_http_server(*args: Any, **kwargs: Any) -> None:

@@ -57,7 +57,7 @@ def rank_info() -> dict[str, Any]:
 def _replica(scheduler: Any):
     rep = getattr(scheduler, "_stitch_rep", None)
     if rep is None:
-        from stitch_core.replica import RankReplica
+        from stitch_core.engine.replica import RankReplica
 
         model = scheduler.tp_worker.model_runner.model
         rep = RankReplica(model, rank_info=rank_info())

@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 
-from stitch_core.board import LocalBoard, open_board
-from stitch_core.checkpoint import open_checkpoint
-from stitch_core.manifest import version_dir
-from stitch_core.patch import diff
-from stitch_core.stp import PatchReader
-from stitch_core.views import (
+from stitch_core.format.checkpoint import open_checkpoint
+from stitch_core.format.patch import diff
+from stitch_core.format.stp import PatchReader
+from stitch_core.format.views import (
     FP8_DTYPE,
     FP8_MAX,
     View,
@@ -47,6 +45,8 @@ from stitch_core.views import (
     project,
     scale_name,
 )
+from stitch_core.versions.board import LocalBoard, open_board
+from stitch_core.versions.manifest import version_dir
 
 from .publisher import named_tensors
 
@@ -385,8 +385,7 @@ def _summary(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 async def _board_rows(url: str, run: str, cache: Path, fetch: bool) -> list[dict]:
-    from stitch_core.cli_versions import list_manifests
-    from stitch_core.versions import fetch_patch
+    from stitch_core.versions.store import fetch_patch, list_manifests
 
     rows = []
     async with open_board(url) as board:

@@ -37,11 +37,14 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from stitch_core import dtypes
-from stitch_core import fingerprint as fpr
-from stitch_core.board import Board, open_board
-from stitch_core.checkpoint import Checkpoint, open_checkpoint, save_shard, write_index
-from stitch_core.manifest import (
+from stitch_core.errors import StitchError
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import Checkpoint, open_checkpoint, save_shard, write_index
+from stitch_core.format.patch import PatchBuilder
+from stitch_core.format.views import parse_view, project
+from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.manifest import (
     Latest,
     Manifest,
     ObjectRef,
@@ -51,9 +54,7 @@ from stitch_core.manifest import (
     manifest_key,
     version_dir,
 )
-from stitch_core.patch import PatchBuilder
-from stitch_core.versions import now, object_ref, read_manifest, write_version
-from stitch_core.views import parse_view, project
+from stitch_core.versions.store import now, object_ref, read_manifest, write_version
 
 from ._io import IOLoop
 from .publisher import SIDE_FILES, VersionInfo
@@ -62,7 +63,7 @@ log = logging.getLogger("stitch.fsdp")
 Row = tuple[str, str, tuple[int, ...], int]  # name, dtype, global shape, fingerprint
 
 
-class PublishError(RuntimeError):
+class PublishError(StitchError, RuntimeError):
     """A version could not be published; raised on every rank alike (nothing moved `latest`)."""
 
 
@@ -441,7 +442,7 @@ class FSDPPublisher:
     # -------------------------------------------------------------- board side
 
     async def _connect(self, url: str) -> None:
-        from stitch_core.announce import connect, ensure_streams
+        from stitch_core.versions.announce import connect, ensure_streams
 
         self._nc = await connect(url, name=f"stitch-fsdp-{self.run}")
         self._js = self._nc.jetstream()
@@ -454,7 +455,7 @@ class FSDPPublisher:
             await self.board.close()
 
     def _pull(self, version: int) -> Checkpoint:
-        from stitch_core.cli_versions import pull
+        from stitch_core.versions.materialize import pull
 
         out = self._spool / f"pulled-{version:06d}"
         coro = pull(
@@ -551,7 +552,7 @@ class FSDPPublisher:
     async def _announce(self, m: Manifest) -> None:
         if self._js is None:
             return
-        from stitch_core.announce import announce
+        from stitch_core.versions.announce import announce
 
         await announce(self._js, announcement(m, self.board.url))
 
@@ -562,7 +563,7 @@ def _sha(m: Manifest) -> str:
 
 def _is_pull_of(ck: Checkpoint | None, m: Manifest) -> bool:
     """Whether `ck` is a directory `stitch pull` made of exactly this version."""
-    from stitch_core.cli_versions import PULLED_MANIFEST
+    from stitch_core.versions.manifest import PULLED_MANIFEST
 
     if ck is None or not ck.is_dir or not (ck.path / PULLED_MANIFEST).is_file():
         return False

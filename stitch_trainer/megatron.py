@@ -36,8 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from stitch_core import dtypes
-from stitch_core import fingerprint as fpr
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
 
 Kind = Literal["column", "row", "replicated", "qkv", "gate_up", "vocab"]
 Stage = Literal["first", "layer", "last"]
@@ -563,7 +563,7 @@ class ShardPart:
 
     Scattered (``positions`` set; row-parallel tensors with tp > 1, whose rank-local columns are
     strided in HF flat order): the sorted global flat ``positions`` of the changed elements, their
-    ``old``/``new_bits`` (integer views, `stitch_core.dtypes.int_view`), and ``base_fp``, the
+    ``old``/``new_bits`` (integer views, `stitch_core.format.dtypes.int_view`), and ``base_fp``, the
     partial fingerprint over every element this rank owns -> the ``add_positions`` API of
     `add_part`.
     """
@@ -585,7 +585,7 @@ class ShardPart:
 
 
 def add_part(builder: Any, part: ShardPart) -> Any:
-    """Add one `ShardPart` to a `stitch_core.patch.PatchBuilder`."""
+    """Add one `ShardPart` to a `stitch_core.format.patch.PatchBuilder`."""
     if not part.scattered:
         return builder.add(part.name, part.base, part.new, shape=part.shape, offset=part.offset)
     if not hasattr(builder, "add_positions"):

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from stitch_core import dtypes
-from stitch_core.board import Board
-from stitch_core.patch import PatchBuilder
-from stitch_core.views import project
+from stitch_core.format import dtypes
+from stitch_core.format.patch import PatchBuilder
+from stitch_core.format.views import project
+from stitch_core.versions.board import Board
 
 from .fsdp import FSDPPublisher
 from .megatron import MegatronLayout, add_part, hf_names_of, local_from_hf, shard_parts

@@ -23,20 +23,20 @@ from pathlib import Path
 
 import torch
 
-from stitch_core import dtypes
-from stitch_core import fingerprint as fpr
-from stitch_core.board import Board, open_board
-from stitch_core.checkpoint import save_shard, write_index
-from stitch_core.manifest import (
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import save_shard, write_index
+from stitch_core.format.patch import PatchBuilder
+from stitch_core.format.views import project
+from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.manifest import (
     Manifest,
     TensorInfo,
     announcement,
     check_run,
     version_dir,
 )
-from stitch_core.patch import PatchBuilder
-from stitch_core.versions import now, object_ref, write_version
-from stitch_core.views import project
+from stitch_core.versions.store import now, object_ref, write_version
 
 from ._io import IOLoop
 
@@ -128,6 +128,11 @@ class Publisher:
 
     # -------------------------------------------------------------- caller side
 
+    @property
+    def published(self) -> int | None:
+        """The newest version of the run on the board as this publisher knows it (None: none)."""
+        return self._published
+
     def resume_from(self, version: int, view: Mapping[str, torch.Tensor],
                     fingerprints: Mapping[str, int]) -> None:
         """Continue a run whose `latest` is `version` with this view: the next publish is a patch
@@ -216,7 +221,7 @@ class Publisher:
         self._base: tuple[int, dict[str, torch.Tensor], dict[str, int]] | None = None
         self._js = self._nc = None
         if self.nats_url:
-            from stitch_core.announce import connect, ensure_streams
+            from stitch_core.versions.announce import connect, ensure_streams
 
             self._nc = await connect(self.nats_url, name=f"stitch-publisher-{self.run}")
             self._js = self._nc.jetstream()
@@ -319,7 +324,7 @@ class Publisher:
         self._published = info.version
         self._base = (info.version, view, fps)
         if self._js is not None:
-            from stitch_core.announce import announce
+            from stitch_core.versions.announce import announce
 
             await announce(self._js, announcement(m, self.board.url))
         log.info(

@@ -11,7 +11,7 @@ parameters would never be seen:
 
 ``install_cpu_weight_keeper()`` (run in every process before the model loads: the
 ``vllm.general_plugins`` entry point does it) keeps the unpacked tensors on the module as
-``_stitch_masters`` ({attribute: tensor}, what ``stitch_core.layout`` maps and patches) and a
+``_stitch_masters`` ({attribute: tensor}, what ``stitch_core.engine.layout`` maps and patches) and a
 ``_stitch_repack`` function; ``repack_dirty`` re-packs the modules an apply changed. Costs one extra
 copy of every packed weight, on the CPU only: on GPUs nothing is installed and the kernels read
 ``param.data`` directly.
@@ -24,8 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
-from stitch_core import derived
-from stitch_core.layout import engine_params
+from stitch_core.engine import derived
+from stitch_core.engine.layout import engine_params
 
 __all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
 

@@ -1,12 +1,12 @@
 """The API-server side of the vLLM plugin: `--middleware stitch_vllm.server.StitchMiddleware`.
 
-At application start-up the middleware starts a `VllmFollower` (a `stitch_core.engine.
+At application start-up the middleware starts a `VllmFollower` (a `stitch_core.node.
 EngineFollower`) in the API server process: its RPC reaches `StitchWorkerExtension.stitch_call` on
 every TP rank through vLLM's `collective_rpc`; engine steps are held during writes with
 `pause_generation(mode="keep")`; the prefix cache is reset after each apply (requests are also
 salted per version by the middleware). The version protocol, `/stitch/status`, `/stitch/verify`
 and the Prometheus metrics come from `stitch_core` (engine-agnostic). Configuration: the
-environment (`stitch_core.engine.Settings`: STITCH_BOARD, STITCH_RUN, STITCH_NATS_URL, ...).
+environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, STITCH_NATS_URL, ...).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from stitch_core.engine import EngineFollower, FollowerMiddleware, Settings, current
+from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
 
 __all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current"]
 

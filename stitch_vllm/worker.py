@@ -3,7 +3,8 @@
 Used as `--worker-extension-cls stitch_vllm.worker.StitchWorkerExtension`.
 
 vLLM mixes this class into its worker on every TP rank; `collective_rpc("stitch_call", args=(method,
-blob))` reaches all of them. Each rank holds a `stitch_core.replica.RankReplica` over its shard of
+blob))` reaches all of them. Each rank holds a `stitch_core.engine.replica.RankReplica` over its
+shard of
 the model (layout learned from the model's own loaders, gather/write/undo/commit, full sums); the
 coordinator in the API server process (`stitch_vllm.server`) decodes patches and drives the ranks.
 
@@ -21,7 +22,12 @@ from typing import Any
 
 import torch
 
-from stitch_core.layout import apply_chunks, engine_params, learn_layout, read_safetensors_shapes
+from stitch_core.engine.layout import (
+    apply_chunks,
+    engine_params,
+    learn_layout,
+    read_safetensors_shapes,
+)
 
 from .cpu import repack_dirty
 
@@ -49,7 +55,7 @@ class StitchWorkerExtension:
     def _stitch_replica(self):
         rep = getattr(self, "_stitch_rep", None)
         if rep is None:
-            from stitch_core.replica import RankReplica
+            from stitch_core.engine.replica import RankReplica
 
             model = self._stitch_model()
             rep = RankReplica(model, on_dirty=lambda dirty: repack_dirty(model, dirty),
@@ -87,7 +93,7 @@ class StitchWorkerExtension:
     def stitch_derived_report(self) -> dict[str, Any]:
         """Kernels' private copies of weights on this rank: {kind: count}, stale ones, and
         closures no adapter accounts for (what tests print as the CPU path they exercised)."""
-        from stitch_core import derived
+        from stitch_core.engine import derived
 
         model = self._stitch_model()
         return {"kinds": derived.kinds(model), "stale": derived.stale(model),

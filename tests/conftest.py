@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
     """A real `nats-server -js` process on a free port for the whole session (see natsserver)."""
-    from stitch_core.natsserver import NatsServer
+    from stitch_core.versions.natsserver import NatsServer
 
     server = NatsServer(tmp_path_factory.mktemp("nats"), port=0).start()
     yield server
@@ -18,7 +18,7 @@ def nats_server(tmp_path_factory):
 @pytest.fixture
 async def nc(nats_server):
     """A nats-py connection to the session server, closed after the test."""
-    from stitch_core.announce import connect
+    from stitch_core.versions.announce import connect
 
     conn = await connect(nats_server.url)
     yield conn

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from stitch_core import fingerprint as fpr
-from stitch_core.board import LocalBoard
-from stitch_core.manifest import Manifest
-from stitch_core.patch import diff
-from stitch_core.versions import object_ref, read_manifest, write_version
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.patch import diff
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.manifest import Manifest
+from stitch_core.versions.store import object_ref, read_manifest, write_version
 
 from .procs import stop
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stitch_core import dtypes
-from stitch_core.board import LocalBoard
 from stitch_core.cli import main
-from stitch_core.cli_versions import list_manifests
-from stitch_core.views import project
+from stitch_core.format import dtypes
+from stitch_core.format.views import project
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.store import list_manifests
 from stitch_trainer.analyze import GROUPS, analyze_training, group_of, ulp
 from stitch_trainer.publisher import Publisher
 

@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from stitch_core.asgi import StitchASGI, salt_body, sse_data
-from stitch_core.gate import VersionGate
+from stitch_core.serve.asgi import StitchASGI, salt_body, sse_data
+from stitch_core.serve.gate import VersionGate
 
 from .test_protocol import RUN, FakeOpenAI, apply, assert_not_ready, events, hdrs, make
 

@@ -13,11 +13,17 @@ import threading
 
 import pytest
 
-from stitch_core.board import BoardError, NotFound, ReadOnlyBoard, open_board
-from stitch_core.board.http import HttpBoard
-from stitch_core.board.local import LocalBoard
-from stitch_core.board.serve import IMMUTABLE, BoardHandler, cache_control, parse_range, serve
-from stitch_core.manifest import Latest, latest_key, manifest_key
+from stitch_core.versions.board import BoardError, NotFound, ReadOnlyBoard, open_board
+from stitch_core.versions.board.http import HttpBoard
+from stitch_core.versions.board.local import LocalBoard
+from stitch_core.versions.board.serve import (
+    IMMUTABLE,
+    BoardHandler,
+    cache_control,
+    parse_range,
+    serve,
+)
+from stitch_core.versions.manifest import Latest, latest_key, manifest_key
 
 RUN = "run-a"
 BIG = f"{RUN}/versions/000001/model.safetensors"

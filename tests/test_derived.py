@@ -1,4 +1,5 @@
-"""stitch_core.derived: kernels' private copies of weights kept in step with in-place patches.
+"""stitch_core.engine.derived: kernels' private copies of weights kept in step with in-place
+patches.
 
 A small tied model whose "kernels" read packed copies (clones held in closures), as vLLM's CPU
 backend does: the embedding and the tied lm_head each pack their own copy of one parameter.
@@ -10,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from stitch_core import derived
-from stitch_core.layout import engine_params
-from stitch_core.replica import RankReplica, ReplicaError
+from stitch_core.engine import derived
+from stitch_core.engine.layout import engine_params
+from stitch_core.engine.replica import RankReplica, ReplicaError
 
 V, D = 40, 8
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stitch_core import fingerprint as fpr
-from stitch_core.board import LocalBoard
-from stitch_core.cli_versions import pull
-from stitch_core.coordinator import Coordinator, EngineStateError
-from stitch_core.follower import Follower
-from stitch_core.replica import RankReplica
-from stitch_core.stp import PatchError
-from stitch_core.versions import read_manifest
+from stitch_core.engine.coordinator import Coordinator, EngineStateError
+from stitch_core.engine.replica import RankReplica
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.stp import PatchError
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.materialize import pull
+from stitch_core.versions.store import read_manifest
 from stitch_trainer.publisher import Publisher
 
 from .toy_engine import HFToy, ToyEngine, train
@@ -156,7 +156,7 @@ def _trunc(src: Path, dst: Path) -> Path:
 
 
 async def _fetch(board, m, cache):
-    from stitch_core.versions import fetch_patch
+    from stitch_core.versions.store import fetch_patch
 
     return await fetch_patch(board, m, cache)
 
@@ -272,7 +272,7 @@ async def test_unregistered_packed_copies_are_refused_and_stale_ones_fail_verify
     """A kernel's private copy of a weight that no adapter registered (a closure over a tensor,
     the shape of vLLM's packed CPU weights) is refused at start-up by name. A registered copy that
     is left stale (its weight changed without a rebuild) fails the full check."""
-    from stitch_core import derived
+    from stitch_core.engine import derived
 
     root, views = published
     d = root / "pulled-packed"

@@ -1,4 +1,4 @@
-"""stitch_core.engine (the server-side follower every engine plugin uses) on the toy TP engine.
+"""stitch_core.node (the server-side follower every engine plugin uses) on the toy TP engine.
 
 A trainer publishes to a board; a `FollowerMiddleware` around a small OpenAI-like ASGI app starts an
 `EngineFollower` whose RPC reaches two in-process `RankReplica`s; requests go through the real
@@ -14,10 +14,10 @@ import pickle
 import httpx
 import torch
 
-from stitch_core.board import LocalBoard
-from stitch_core.cli_versions import pull
-from stitch_core.engine import EngineFollower, FollowerMiddleware, Settings, current
-from stitch_core.replica import RankReplica
+from stitch_core.engine.replica import RankReplica
+from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
 from stitch_trainer.publisher import Publisher
 
 from .toy_engine import HFToy, ToyEngine, train

@@ -1,4 +1,4 @@
-"""Entropy streams (stitch_core.entropy): exact round trips, compression, malformed input."""
+"""Entropy streams (stitch_core.format.entropy): exact round trips, compression, malformed input."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stitch_core import entropy
-from stitch_core.entropy import MAX_CONTEXTS, StreamError, decode, encode
+from stitch_core.format import entropy
+from stitch_core.format.entropy import MAX_CONTEXTS, StreamError, decode, encode
 
 U64_MAX = (1 << 64) - 1
 HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,5 @@
-"""Fingerprints (stitch_core.fingerprint): both paths agree with an independent reference, and the
+"""Fingerprints (stitch_core.format.fingerprint): both paths agree with an independent reference,
+and the
 sum is decomposable, incremental, position- and name-sensitive."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stitch_core import dtypes
-from stitch_core import fingerprint as fpr
-from stitch_core.dtypes import _INFOS
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.dtypes import _INFOS
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from stitch_core import fingerprint as fpr
-from stitch_core.announce import fleet
-from stitch_core.board.serve import serve
-from stitch_core.follower import Follower, MemoryReplica
+from stitch_core.format import fingerprint as fpr
+from stitch_core.versions.announce import fleet
+from stitch_core.versions.board.serve import serve
+from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_trainer.publisher import Publisher
 
 from .test_versions import TinyLM, bf16_view

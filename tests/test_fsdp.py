@@ -126,7 +126,7 @@ def worker(work: Path, rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from stitch_core.board.base import BoardError
+    from stitch_core.versions.board.base import BoardError
     from stitch_trainer.fsdp import FSDPPublisher, PublishError, local_slice, local_slices
     from stitch_trainer.publisher import named_tensors
 
@@ -237,7 +237,7 @@ def _launch(work: Path, script: str = __file__, world: int = WORLD) -> None:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from stitch_core import dtypes
+    from stitch_core.format import dtypes
 
     return (
         a.dtype == b.dtype
@@ -261,7 +261,7 @@ def _versions(work: Path) -> list[int]:
 def _expected(work: Path, version: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from stitch_core.views import project
+    from stitch_core.format.views import project
 
     if version == 0:
         return project(load_file(work / "ckpt" / "model.safetensors"), "bf16")
@@ -269,15 +269,15 @@ def _expected(work: Path, version: int) -> dict[str, torch.Tensor]:
 
 
 async def _manifests(work: Path) -> dict:
-    from stitch_core.board import LocalBoard
-    from stitch_core.versions import read_manifest
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import read_manifest
 
     board = LocalBoard(work / "board")
     return {v: await read_manifest(board, RUN, v) for v in await board.list_versions(RUN)}
 
 
 def test_versions_match_single_process_publisher(trained, tmp_path):
-    from stitch_core import fingerprint as fpr
+    from stitch_core.format import fingerprint as fpr
     from stitch_trainer.publisher import Publisher
 
     work, reports = trained
@@ -329,8 +329,8 @@ def test_local_rows_follow_dtensor_split(trained):
 def test_pull_reconstructs_last_version(trained, tmp_path):
     from safetensors.torch import load_file
 
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
 
     work, _ = trained
     last = _versions(work)[-1]
@@ -345,8 +345,8 @@ def test_pull_reconstructs_last_version(trained, tmp_path):
 
 
 def test_follower_follows_every_version(trained, tmp_path):
-    from stitch_core.board import LocalBoard
-    from stitch_core.follower import Follower, MemoryReplica
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.follower import Follower, MemoryReplica
 
     work, _ = trained
 

@@ -195,7 +195,7 @@ def trained(tmp_path_factory):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from stitch_core import dtypes
+    from stitch_core.format import dtypes
 
     return (
         a.dtype == b.dtype
@@ -207,7 +207,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _served(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The bf16 view of a gathered full state dict; the tied lm_head is published once (as the
     embeddings), as HF checkpoints store it."""
-    from stitch_core.views import project
+    from stitch_core.format.views import project
 
     full = dict(full)
     head = full.pop("lm_head.weight")
@@ -218,8 +218,8 @@ def _served(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _pull(work: Path, version: int, out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
 
     m = asyncio.run(
         pull(LocalBoard(work / "board"), RUN, version, out, out.parent / "cache", quiet=True)
@@ -242,8 +242,8 @@ def test_trainer_ran_fsdp2_through_accelerate(trained):
 
 
 def test_every_step_published_on_every_rank(trained):
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import list_manifests
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import list_manifests
 
     work, reports = trained
     ms = asyncio.run(list_manifests(LocalBoard(work / "board"), RUN))
@@ -265,10 +265,10 @@ def test_every_step_published_on_every_rank(trained):
 def test_versions_equal_gathered_weights_bit_for_bit(trained, tmp_path):
     from safetensors.torch import load_file
 
-    from stitch_core import fingerprint as fpr
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import list_manifests
-    from stitch_core.views import project
+    from stitch_core.format import fingerprint as fpr
+    from stitch_core.format.views import project
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import list_manifests
 
     work, _ = trained
     ms = {m.version: m for m in asyncio.run(list_manifests(LocalBoard(work / "board"), RUN))}

@@ -7,10 +7,11 @@ import asyncio
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from stitch_core import fingerprint as fpr
-from stitch_core.board import LocalBoard
-from stitch_core.cli_versions import list_manifests, pull
-from stitch_core.views import project
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.views import project
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_core.versions.store import list_manifests
 from stitch_trainer import Publisher
 from stitch_trainer.hf import StitchCallback
 from stitch_trainer.publisher import named_tensors

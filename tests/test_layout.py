@@ -1,4 +1,5 @@
-"""stitch_core.layout on a small engine-style module whose loaders fuse, slice, pad, duplicate and
+"""stitch_core.engine.layout on a small engine-style module whose loaders fuse, slice, pad,
+duplicate and
 transpose: the learned map must send every HF element exactly where the loaders put it."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stitch_core import layout as L
+from stitch_core.engine import layout as L
 
 H, V, VPAD = 6, 10, 12  # hidden, vocab, padded vocab rows
 

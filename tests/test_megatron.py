@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from stitch_core import dtypes
-from stitch_core import fingerprint as fpr
-from stitch_core.patch import PatchBuilder, apply
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.patch import PatchBuilder, apply
 from stitch_trainer.megatron import (
     ARCHS,
     LLAMA,

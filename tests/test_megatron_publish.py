@@ -71,7 +71,7 @@ def shards_at(step: int) -> dict:
 def worker(work: Path, rank: int) -> None:
     import torch.distributed as dist
 
-    from stitch_core.board.base import BoardError
+    from stitch_core.versions.board.base import BoardError
     from stitch_trainer.fsdp import PublishError
     from stitch_trainer.megatron_publisher import MegatronPublisher
 
@@ -127,7 +127,7 @@ def published(tmp_path_factory):
 
 
 def expected(step: int) -> dict:
-    from stitch_core.views import project
+    from stitch_core.format.views import project
     from stitch_trainer.megatron import assemble_hf
 
     if step == 0:
@@ -136,16 +136,16 @@ def expected(step: int) -> dict:
 
 
 async def _manifests(work: Path) -> dict:
-    from stitch_core.board import LocalBoard
-    from stitch_core.versions import read_manifest
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import read_manifest
 
     board = LocalBoard(work / "board")
     return {v: await read_manifest(board, RUN, v) for v in await board.list_versions(RUN)}
 
 
 def test_manifests_match_assembled_weights(published):
-    from stitch_core import dtypes
-    from stitch_core import fingerprint as fpr
+    from stitch_core.format import dtypes
+    from stitch_core.format import fingerprint as fpr
 
     work, reports = published
     ms = asyncio.run(_manifests(work))
@@ -172,8 +172,8 @@ def test_manifests_match_assembled_weights(published):
 def test_pull_reconstructs_last_version(published, tmp_path):
     from safetensors.torch import load_file
 
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
 
     work, _ = published
     out = tmp_path / "pulled"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from stitch_core import announce as an
-from stitch_core.board import BoardError, LatestConflict, NotFound, open_board
-from stitch_core.board.nats import CHUNK, NatsBoard, split_url
-from stitch_core.manifest import Announcement, Heartbeat, Latest, manifest_key
-from stitch_core.natsserver import NatsServer, NatsServerError, find_nats_server
+from stitch_core.versions import announce as an
+from stitch_core.versions.board import BoardError, LatestConflict, NotFound, open_board
+from stitch_core.versions.board.nats import CHUNK, NatsBoard, split_url
+from stitch_core.versions.manifest import Announcement, Heartbeat, Latest, manifest_key
+from stitch_core.versions.natsserver import NatsServer, NatsServerError, find_nats_server
 
 WAIT = 5.0  # upper bound for anything that should be immediate
 

@@ -1,4 +1,5 @@
-"""diff/apply (stitch_core.patch): bitwise round trips, whole-tensor changes, header stats, and
+"""diff/apply (stitch_core.format.patch): bitwise round trips, whole-tensor changes, header stats,
+and
 the checks that refuse a wrong base, model, run or version (in place: with everything undone)."""
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stitch_core import Patch, PatchError, apply, diff, dtypes
-from stitch_core import fingerprint as fpr
-from stitch_core.patch import DEFAULT_CHUNK_SPAN
-from stitch_core.stp import END_MAGIC, FOOTER
+from stitch_core import Patch, PatchError, apply, diff
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.patch import DEFAULT_CHUNK_SPAN
+from stitch_core.format.stp import END_MAGIC, FOOTER
 
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -608,7 +610,7 @@ def test_forge_helper_is_faithful():
                                    torch.float8_e4m3fn, torch.int8, torch.int32])
 def test_ulp_numba_path_equals_torch_path(dtype):
     """CPU tensors use fused numba loops, accelerators the torch ops: both must agree bitwise."""
-    from stitch_core import codec, dtypes
+    from stitch_core.format import codec, dtypes
 
     g = torch.Generator().manual_seed(7)
     dt = dtypes.info(dtype)
@@ -632,7 +634,7 @@ def _parts(base: dict, new: dict, world: int, span: int = 1000) -> list[bytes]:
     """Sharded producers: rank r holds rows [r*R/world, (r+1)*R/world) of every tensor."""
     import io
 
-    from stitch_core.patch import PatchBuilder
+    from stitch_core.format.patch import PatchBuilder
 
     builders, bufs = [], []
     for r in range(world):

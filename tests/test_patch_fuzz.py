@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from stitch_core import PatchError, apply, codec, diff, dtypes, entropy
-from stitch_core import fingerprint as fpr
-from stitch_core.stp import END_MAGIC, FOOTER, PREAMBLE
+from stitch_core import PatchError, apply, diff
+from stitch_core.format import codec, dtypes, entropy
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.stp import END_MAGIC, FOOTER, PREAMBLE
 
 SPAN = 512
 SPAN1 = 2048

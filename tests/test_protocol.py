@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from stitch_core import protocol
-from stitch_core.asgi import StitchASGI
-from stitch_core.gate import NotReady, VersionGate
-from stitch_core.metrics import Metrics
+from stitch_core.serve import protocol
+from stitch_core.serve.asgi import StitchASGI
+from stitch_core.serve.gate import NotReady, VersionGate
+from stitch_core.serve.metrics import Metrics
 
 RUN = "run-a"
 
@@ -620,7 +620,7 @@ def test_cache_salt_and_client_models():
 
 
 async def test_metrics_counts_through_the_gate():
-    from stitch_core import metrics as metrics_mod
+    from stitch_core.serve import metrics as metrics_mod
 
     registry = None
     if metrics_mod.AVAILABLE:  # exercised in the engine venvs, which have prometheus_client

@@ -9,10 +9,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from stitch_core import fingerprint as fpr
-from stitch_core.board import LocalBoard
-from stitch_core.cli_versions import list_manifests
-from stitch_core.views import project
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.views import project
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.store import list_manifests
 from stitch_dev.tinymodel import build_tiny_model
 from stitch_trainer import Publisher
 from stitch_trainer.hf import StitchCallback

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stitch_core import fingerprint as fpr
-from stitch_core.board import LatestConflict, LocalBoard, NotFound
-from stitch_core.cli_versions import list_manifests, pull
-from stitch_core.follower import Follower, MemoryReplica
-from stitch_core.manifest import Latest, manifest_key
-from stitch_core.versions import VersionError, now, plan, read_manifest
+from stitch_core.format import fingerprint as fpr
+from stitch_core.versions.board import LatestConflict, LocalBoard, NotFound
+from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.manifest import Latest, manifest_key
+from stitch_core.versions.materialize import pull
+from stitch_core.versions.store import VersionError, list_manifests, now, plan, read_manifest
 from stitch_trainer.publisher import Publisher
 
 RUN = "tiny"

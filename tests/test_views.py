@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stitch_core.views import (
+from stitch_core.format.views import (
     FP8_DTYPE,
     View,
     dequantize,

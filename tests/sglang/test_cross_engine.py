@@ -24,10 +24,10 @@ if not VLLM_PYTHON:
                            "is not set")
     pytest.skip("set STITCH_VLLM_PYTHON to the vLLM venv's python", allow_module_level=True)
 
-from stitch_core import fingerprint as fpr  # noqa: E402
-from stitch_core.board import LocalBoard  # noqa: E402
-from stitch_core.cli_versions import pull  # noqa: E402
-from stitch_core.versions import read_manifest  # noqa: E402
+from stitch_core.format import fingerprint as fpr  # noqa: E402
+from stitch_core.versions.board import LocalBoard  # noqa: E402
+from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_core.versions.store import read_manifest  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
 from ..engine_common import ServerProcess, Trainer, vllm_cmd, vllm_env  # noqa: E402

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import stitch_core.engine as engine
-from stitch_core.engine import Settings
-from stitch_core.gate import VersionGate
+import stitch_core.node as engine
+from stitch_core.node import Settings
+from stitch_core.serve.gate import VersionGate
 from stitch_sglang import plugin, server
 
 
@@ -115,7 +115,7 @@ def test_native_batch_salts_each_prompt():
     """SGLang's /generate takes one cache_salt per prompt of a batch: each is salted."""
     import json
 
-    from stitch_core.asgi import salt_body
+    from stitch_core.serve.asgi import salt_body
 
     out = json.loads(salt_body(b'{"text": ["a", "b"], "cache_salt": ["u", ""]}', "r", 2))
     assert out["cache_salt"] == ["u|stitch:r:v2", "stitch:r:v2"]

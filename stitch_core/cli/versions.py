@@ -1,0 +1,194 @@
+"""CLI verbs around versions: up, publish, pull, versions, status, board serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from stitch_core.versions.board import open_board
+from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+from stitch_core.versions.materialize import default_cache_dir, pull
+from stitch_core.versions.store import list_manifests
+
+# `pull` and `list_manifests` are library code in stitch_core.versions (still importable from here
+# for one release); PULLED_MANIFEST is owned by stitch_core.versions.manifest
+__all__ = ["PULLED_MANIFEST", "add_parsers", "list_manifests", "pull"]
+
+
+
+def default_cache(a: argparse.Namespace) -> Path:
+    """--cache-dir, else the default cache directory."""
+    return Path(a.cache_dir) if getattr(a, "cache_dir", None) else default_cache_dir()
+
+
+# ---------------------------------------------------------------- pull
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    async def go() -> Manifest:
+        async with open_board(a.board) as board:
+            v = None if a.version in (None, "latest") else int(a.version)
+            return await pull(board, a.run, v, Path(a.output), default_cache(a), force=a.force)
+
+    t0 = time.perf_counter()
+    m = asyncio.run(go())
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "run": m.run,
+                    "version": m.version,
+                    "output": a.output,
+                    "digest": m.digest,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                }
+            )
+        )
+    else:
+        print(f"{a.output}: {m.run} v{m.version} ({len(m.tensors)} tensors verified)")
+    return 0
+
+
+# ---------------------------------------------------------------- versions
+
+
+def cmd_versions(a: argparse.Namespace) -> int:
+    async def go():
+        async with open_board(a.board) as board:
+            return await list_manifests(board, a.run), await board.read_latest(a.run)
+
+    ms, latest = asyncio.run(go())
+    rows = [
+        {
+            "version": m.version,
+            "kind": m.kind,
+            "parent": m.parent,
+            "step": m.step,
+            "changed_elements": m.changed_elements,
+            "total_elements": m.total_elements,
+            "patch_bytes": m.patch_bytes,
+            "full_bytes": m.full_bytes,
+            "created": m.created,
+            "digest": m.digest,
+        }
+        for m in ms
+    ]
+    if a.json:
+        print(
+            json.dumps(
+                {"run": a.run, "latest": latest.version if latest else None, "versions": rows}
+            )
+        )
+        return 0
+    print(
+        f"{'version':>7} {'kind':<8} {'parent':>6} {'step':>6} {'changed %':>10} "
+        f"{'patch bytes':>12} {'full bytes':>12}  created"
+    )
+    for r in rows:
+        pct = (
+            ""
+            if r["changed_elements"] is None
+            else f"{100 * r['changed_elements'] / max(r['total_elements'], 1):.3f}"
+        )
+        star = " *" if latest and r["version"] == latest.version else ""
+        print(
+            f"{r['version']:>7} {r['kind']:<8} {r['parent'] if r['parent'] is not None else '':>6} "
+            f"{r['step'] if r['step'] is not None else '':>6} {pct:>10} "
+            f"{r['patch_bytes'] or '':>12} {r['full_bytes'] or '':>12}  {r['created']}{star}"
+        )
+    return 0
+
+
+# ---------------------------------------------------------------- status / up / serve
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    import nats
+
+    from stitch_core.versions.announce import fleet
+
+    async def go():
+        nc = await nats.connect(a.nats, connect_timeout=5, max_reconnect_attempts=1)
+        try:
+            return await fleet(nc.jetstream(), a.run)
+        finally:
+            await nc.close()
+
+    hbs = asyncio.run(go())
+    now = time.time()
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "run": a.run,
+                    "engines": [
+                        {**h.model_dump(), "last_seen_seconds": round(now - h.time, 3)} for h in hbs
+                    ],
+                }
+            )
+        )
+        return 0
+    print(f"{'engine':<28} {'version':>7} {'lag':>4} {'state':<12} {'last seen':>10}  url")
+    for h in hbs:
+        print(
+            f"{h.id:<28} {h.version if h.version is not None else '-':>7} "
+            f"{h.lag if h.lag is not None else '-':>4} {h.state:<12} {now - h.time:>9.1f}s  "
+            f"{h.url or ''}"
+        )
+    if not hbs:
+        print(f"(no engine has reported for run {a.run})")
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from stitch_core.versions.natsserver import run_dev_stack
+
+    return run_dev_stack(Path(a.dir), a.port)
+
+
+def cmd_board_serve(a: argparse.Namespace) -> int:
+    from stitch_core.versions.board.serve import run_server
+
+    run_server(Path(a.dir), a.host, a.port)
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser("up", help="start the dev stack: local nats-server (JetStream) + a board")
+    u.add_argument("--dir", default="./stitch-dev", help="board + JetStream store directory")
+    u.add_argument("--port", type=int, default=4222, help="NATS port (0: any free port)")
+    u.set_defaults(fn=cmd_up)
+
+    pl = sub.add_parser("pull", help="materialise a version as an HF directory")
+    pl.add_argument("board")
+    pl.add_argument("--run", required=True)
+    pl.add_argument("--version", default="latest", help="N or latest")
+    pl.add_argument("-o", "--output", required=True)
+    pl.add_argument("--cache-dir")
+    pl.add_argument("--force", action="store_true")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_pull)
+
+    v = sub.add_parser("versions", help="list a run's versions")
+    v.add_argument("board")
+    v.add_argument("--run", required=True)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_versions)
+
+    s = sub.add_parser("status", help="fleet table from engine heartbeats")
+    s.add_argument("--nats", required=True)
+    s.add_argument("--run", required=True)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    b = sub.add_parser("board", help="board utilities")
+    bs = b.add_subparsers(dest="board_cmd", required=True)
+    sv = bs.add_parser("serve", help="serve a board directory over HTTP (read-only, Range)")
+    sv.add_argument("dir")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.set_defaults(fn=cmd_board_serve)
+

@@ -1,0 +1,467 @@
+"""The node side of an engine follower: decode each patch once, drive every rank, prove the result.
+
+Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` reaching a
+`stitch_core.engine.replica.RankReplica` in every tensor-parallel rank, plus optional
+`pause`/`resume`
+(hold engine steps) and `after_apply(version)` (called while steps are still held, right after a
+version is in place: reset the prefix cache, tell the engine its weight version) hooks. It is the
+`apply` callback of a `stitch_core.versions.follower.Follower`.
+
+Why the coordinator, not every rank, decodes: ULP values are entropy-coded under contexts taken
+from the *old* value of each element, so a rank holding a slice of a tensor cannot decode a chunk
+alone. The coordinator decodes positions, gathers the old bits from the ranks that hold them,
+decodes the values once (while the engine keeps serving), and checks the result against the
+manifest *before* anything is written: base fingerprint + sum of h(new) - h(old) must equal the
+target fingerprint of every tensor, and both version digests must match. A corrupt, truncated,
+foreign or out-of-order patch is refused there, with the engine untouched. Only then are the
+ranks asked to write (engine steps held); each rank reads back what it wrote and reports its
+fingerprint delta over every copy it holds, and the sum over ranks must equal multiplicity x the
+change in the manifest fingerprint, or every rank undoes.
+
+Start-up: the ranks learn their layout from the model's own loaders and report full sums; a
+tensor whose sums do not add up to multiplicity x its manifest fingerprint is not placed exactly
+by the layout (a loader or post-load step that transforms values). So is an engine parameter that
+no loader writes (computed from other weights after loading, e.g. MLA's absorbed matrices): a
+patch could not keep it in step. Either refuses the start, naming them, unless the loader
+fallback is opted into: then a transformed tensor goes through the engine's own loader with the
+reconstructed tensor (kept on the host here), unverified, and both are logged by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stitch_core.engine.layout import read_safetensors_shapes
+from stitch_core.engine.replica import index_dtype
+from stitch_core.errors import StitchError
+from stitch_core.format import codec, dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import open_checkpoint
+from stitch_core.format.patch import (
+    PatchSet,
+    _chunk_list,
+    _decode,
+    apply_entry,
+    check_compatible,
+    check_digests,
+)
+from stitch_core.format.stp import PatchError, PatchReader
+from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+from stitch_core.versions.store import Step
+
+log = logging.getLogger("stitch.engine")
+Rpc = Callable[[str, dict[str, Any]], Awaitable[list[dict[str, Any]]]]
+Hook = Callable[[], Awaitable[Any]]
+VersionHook = Callable[[int], Awaitable[Any]]
+
+
+class EngineStateError(StitchError, RuntimeError):
+    """The engine's weights could not be proven; it must not serve until recovered."""
+
+
+def read_pulled_manifest(model_dir: str | Path) -> Manifest | None:
+    p = Path(model_dir) / PULLED_MANIFEST
+    if not p.exists():
+        return None
+    return Manifest.model_validate_json(p.read_text())
+
+
+def _files_fingerprints(model_dir: Path, names: list[str]) -> dict[str, int]:
+    ck = open_checkpoint(model_dir)
+    return {n: fpr.fingerprint(n, ck.load(n)) for n in names}
+
+
+def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    ck = open_checkpoint(model_dir)
+    return {n: ck.load(n) for n in ck.names() if n in names}
+
+
+class Coordinator:
+    def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
+                 metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
+                 after_apply: VersionHook | None = None, loader_fallback: bool = False):
+        self.rpc = rpc
+        # tensors the layout map does not place exactly: refuse (default), or update them through
+        # the engine's own loader, which nothing can read back to verify
+        self.loader_fallback = loader_fallback
+        self.run = run
+        self.gate = gate
+        self.metrics = metrics
+        self.pause, self.resume, self.after_apply = pause, resume, after_apply
+        self.version: int | None = None
+        self.fps: dict[str, int] = {}  # verified fingerprints of the version the engine holds
+        self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.mult: dict[str, int] = {}  # copies of each element across all ranks
+        self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
+        self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
+        self.derived: list[str] = []  # engine params no loader writes (computed after loading)
+        self.derived_copies: dict[str, int] = {}  # kernels' copies kept in step, by kind
+        self.ranks = 0
+        self.check: dict[str, Any] = {"ok": None}
+        self.last_apply: dict[str, Any] | None = None
+        self.patch_bytes_total = 0
+        self.history: list[dict[str, Any]] = []
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        return {"fingerprint_check": self.check, "last_apply": self.last_apply,
+                "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
+                "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld,
+                "derived_params": self.derived, "derived_copies": self.derived_copies}
+
+    # ------------------------------------------------------------ start-up
+
+    async def start(self, model_dir: str | Path) -> int | None:
+        """Learn layouts on every rank and prove the loaded weights; returns the held version."""
+        model_dir = Path(model_dir)
+        m = read_pulled_manifest(model_dir)
+        if m is not None:
+            if self.run is not None and m.run != self.run:
+                raise EngineStateError(f"{model_dir} holds run {m.run!r}, not {self.run!r}")
+            self.run = m.run
+            self.shapes = {t.name: (tuple(t.shape), t.dtype) for t in m.tensors}
+            want = m.fingerprints
+        else:
+            hf = read_safetensors_shapes(model_dir)
+            self.shapes = {n: (s, dtypes.info(d).name) for n, (s, d) in hf.items()}
+            want = await asyncio.to_thread(_files_fingerprints, model_dir, list(self.shapes))
+        t0 = time.perf_counter()
+        replies = await self.rpc("setup", {"shapes": self.shapes})
+        self.ranks = len(replies)
+        placed, fallback, self.unheld = self._classify(replies, want)
+        self.derived = sorted({p for r in replies for p in r.get("derived", [])}
+                              | {a for r in replies for a in r.get("unmanaged", [])})
+        self.derived_copies = _merge_counts(r.get("derived_copies", {}) for r in replies)
+        stale = _stale(replies)
+        if stale:
+            raise EngineStateError(f"derived copies of weights do not match the weights they are "
+                                   f"built from: {', '.join(stale[:5])}")
+        if self.derived:
+            msg = (f"{len(self.derived)} engine parameters or kernel states are written by no "
+                   "loader (computed from other weights after loading, e.g. MLA's absorbed "
+                   "W_UK/W_UV or a packed copy no adapter rebuilds, or never loaded), so a patch "
+                   "cannot keep them in step with the weights: "
+                   f"{', '.join(self.derived[:5])}{' ...' if len(self.derived) > 5 else ''}")
+            if not self.loader_fallback:
+                raise EngineStateError(msg + ". STITCH_LOADER_FALLBACK=1 follows anyway, "
+                                       "leaving them as loaded")
+            log.warning("stitch: %s; following anyway (loader fallback on)", msg)
+        if self.unheld:
+            log.warning("stitch: %d tensors of the checkpoint are held by no rank (the engine's "
+                        "loaders place none of their elements, e.g. a tied lm_head): %s; the "
+                        "engine does not use them, so they are neither verified nor updated",
+                        len(self.unheld), ", ".join(self.unheld[:10]))
+        if fallback and not self.loader_fallback:
+            raise EngineStateError(
+                f"{len(fallback)} tensors are not held where the layout map puts them (a loader "
+                "or a post-load step transforms them, e.g. quantisation or kernel repacking), so "
+                f"the engine's copy cannot be verified: {', '.join(sorted(fallback)[:5])}"
+                f"{' ...' if len(fallback) > 5 else ''}. STITCH_LOADER_FALLBACK=1 updates them "
+                "through the engine's own loader instead, unverified")
+        if fallback:
+            host = await asyncio.to_thread(_load_host, model_dir, set(fallback))
+            bad = [n for n in fallback if n not in host or fpr.fingerprint(n, host[n]) != want[n]]
+            if bad:
+                raise EngineStateError(f"snapshot files do not match their fingerprints: {bad[:5]}")
+            self.fallback = host
+            log.warning("stitch: %d tensors are not placed exactly by the layout map and will be "
+                        "updated through the engine's own loader: %s", len(fallback),
+                        ", ".join(sorted(fallback)))
+        self.fps = dict(want)
+        self.check = {"ok": True, "at": time.time(), "kind": "full", "tensors": len(placed),
+                      "fallback": len(fallback), "seconds": time.perf_counter() - t0}
+        if m is not None:
+            self._set_version(m.version)
+        log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "
+                 "kernels' packed copies kept in step: %s",
+                 f"{m.run} v{m.version}" if m else str(model_dir), self.ranks, len(placed),
+                 len(fallback), ", ".join(f"{n} {k}" for k, n in self.derived_copies.items())
+                 or "none")
+        return self.version
+
+    def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+        """(placed: every copy proven; fallback: mapped but not provable; unheld: no element
+        mapped on any rank)."""
+        placed, fallback, unheld = [], [], []
+        for name, (shape, _) in self.shapes.items():
+            numel = int(np.prod(shape, dtype=np.int64))
+            mapped = sum(r["mapped"].get(name, 0) for r in replies)
+            total = sum(r["sums"].get(name, 0) for r in replies) & fpr.MASK64
+            k = mapped // numel if numel else 0
+            if not numel or not mapped:
+                unheld.append(name)
+            elif mapped == k * numel and total == (k * want[name]) & fpr.MASK64:
+                self.mult[name] = k
+                placed.append(name)
+            else:
+                fallback.append(name)
+        return placed, fallback, sorted(unheld)
+
+    def _set_version(self, v: int | None) -> None:
+        self.version = v
+        if self.gate is not None:
+            if v is None:
+                self.gate.version = None
+            else:
+                self.gate.set_version(v)
+        if self.metrics is not None and v is not None:
+            self.metrics.set_version(v, getattr(self.gate, "latest", None))
+
+    # ------------------------------------------------------------ following
+
+    async def __call__(self, step: Step, path: Path) -> None:
+        """The Follower's apply callback."""
+        if step.kind == "snapshot":
+            await self.load_snapshot(step.manifest, path)
+        else:
+            await self.apply_patch(step.manifest, list(step.paths or [path]))
+
+    async def apply_patch(self, m: Manifest, paths: list[Path]) -> dict[str, Any]:
+        async with self._lock:
+            t_all = time.perf_counter()
+            readers = [PatchReader(p) for p in paths]
+            try:
+                patch = (readers[0] if len(readers) == 1 and readers[0].header.part is None
+                         else PatchSet(readers))
+                plan = await asyncio.to_thread(self._positions, patch, m)
+                aid = uuid.uuid4().hex
+                t_g = time.perf_counter()
+                gathered = await self.rpc("gather", {"id": aid, "positions": {
+                    n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0])))).tobytes()
+                    for n, (p, _) in plan["placed"].items()}})
+                gather_s = time.perf_counter() - t_g
+                new, fb_new = await asyncio.to_thread(self._decode_all, patch, plan, gathered)
+            finally:
+                for r in readers:
+                    r.close()
+            stats = await self._write(m, aid, new, fb_new)
+            stats.update(version=m.version, changed=plan["changed"], gather_s=gather_s,
+                         gather_rank_s=max(g["seconds"] for g in gathered),
+                         total_s=time.perf_counter() - t_all, patch_bytes=m.patch_bytes)
+            self.patch_bytes_total += m.patch_bytes
+            self.last_apply = stats
+            self.history.append(stats)
+            if self.metrics is not None and self.gate is None:  # a gate reports its applies
+                self.metrics.applied(m.version, stats["pause_s"], m.patch_bytes)
+            return stats
+
+    def _positions(self, patch, m: Manifest) -> dict[str, Any]:
+        h = patch.header
+        if self.version is None:
+            raise EngineStateError("the engine holds no verified version")
+        check_compatible(h, self.shapes.keys(), run=self.run, base_version=self.version)
+        if h.base_version is None or h.target_version != m.version or h.run != m.run:
+            raise PatchError(f"patch file is not {m.run} v{h.base_version}->v{m.version}")
+        target = {t.name: fpr.parse(t.target_fp) for t in h.tensors if t.target_fp}
+        if target != m.fingerprints:
+            raise PatchError(f"patch does not produce the fingerprints of {m.run} v{m.version}")
+        placed, fb, changed = {}, [], 0
+        for e in h.tensors:
+            if e.kind == "removed" or e.base_fp is None or e.name not in self.shapes:
+                raise PatchError(f"{e.name}: a structural change (added/removed tensor) needs a "
+                                 "snapshot, not an in-place patch")
+            shape, dt = self.shapes[e.name]
+            if e.dtype != dt or tuple(e.shape) != tuple(shape):
+                raise PatchError(f"{e.name}: patch is for {e.dtype}{e.shape}, the engine holds "
+                                 f"{dt}{list(shape)}")
+            if fpr.parse(e.base_fp) != self.fps[e.name]:
+                raise PatchError(f"{e.name}: patch base fingerprint {e.base_fp} is not the "
+                                 f"engine's {fpr.fmt(self.fps[e.name])} (wrong base version?)")
+            if e.name in self.fallback:
+                fb.append(e)
+                continue
+            if e.name in self.unheld:  # no rank holds it: nothing to gather or write
+                continue
+            chunks, pos = [], []
+            for reader, c in _chunk_list(patch, e):
+                pb, vb = reader.read_chunk(c)
+                try:
+                    p = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
+                except codec.CodecError as err:
+                    raise PatchError(f"{e.name}: corrupt patch data: {err}") from None
+                chunks.append((c, vb, len(p)))
+                pos.append(p)
+            if not pos:
+                continue
+            allpos = torch.from_numpy(np.concatenate(pos))
+            changed += allpos.numel()
+            placed[e.name] = (allpos, (e, chunks))
+        return {"placed": placed, "fallback": fb, "changed": changed}
+
+    def _decode_all(self, patch, plan, gathered) -> tuple[dict[str, bytes], dict[str, Any]]:
+        h = patch.header
+        new: dict[str, bytes] = {}
+        for name, (pos, (e, chunks)) in plan["placed"].items():
+            dt = dtypes.info(e.dtype)
+            old = torch.empty(pos.numel(), dtype=dt.int_dtype)
+            held = torch.zeros(pos.numel(), dtype=torch.bool)
+            for g in gathered:
+                idx_b, bits_b = g["old"][name]
+                bits = dtypes.bits_from_bytes(bits_b, dt.int_dtype)
+                idx = (torch.arange(pos.numel()) if idx_b is None else torch.from_numpy(
+                    np.frombuffer(idx_b, dtype=index_dtype(pos.numel())).astype(np.int64)))
+                old[idx] = bits
+                held[idx] = True
+            if not bool(held.all()):
+                raise EngineStateError(f"{name}: {int((~held).sum())} changed positions are held "
+                                       "by no rank (layout incomplete)")
+            got = self.fps[name]
+            out, s = [], 0
+            for c, vb, k in chunks:
+                p, o = pos[s:s + k], old[s:s + k].to(torch.int64)
+                s += k
+                v = _decode(name, c, None, vb, o, dt, torch.device("cpu"))
+                got = fpr.update(got, name, p, o, v, dt.itemsize)
+                out.append(v.to(dt.int_dtype))
+            if fpr.fmt(got) != e.target_fp:
+                raise PatchError(f"{name}: result fingerprint {fpr.fmt(got)} != {e.target_fp} "
+                                 "(corrupt patch?)")
+            new[name] = torch.cat(out).numpy().tobytes()
+        fb_new: dict[str, torch.Tensor] = {}
+        for e in plan["fallback"]:  # verified by apply_entry against the target fingerprint
+            fb_new[e.name] = apply_entry(patch, e, self.fallback[e.name],
+                                         base_fp=self.fps[e.name])
+        rows = [(n, dt, tuple(s), self.fps[n]) for n, (s, dt) in self.shapes.items()]
+        target = {t.name: fpr.parse(t.target_fp) for t in h.tensors}
+        check_digests(h, rows, [(n, dt, tuple(s), target[n]) for n, (s, dt) in
+                                self.shapes.items()])
+        return new, fb_new
+
+    async def _write(self, m: Manifest, aid: str, new: dict[str, bytes],
+                     fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
+        gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
+        async with gate_cm as handle:
+            t0 = time.perf_counter()
+            if self.pause is not None:
+                await self.pause()
+            t_w = time.perf_counter()
+            try:
+                replies = await self.rpc("write", {"id": aid, "values": new})
+                try:
+                    for name in new:
+                        got = sum(r["delta"][name] for r in replies) & fpr.MASK64
+                        want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
+                            & fpr.MASK64
+                        if got != want:
+                            raise EngineStateError(
+                                f"{name}: ranks wrote a change that does not add up to the "
+                                "manifest's (layout bug?); undone")
+                    if fb_new:
+                        await self.rpc("load", {"tensors": [
+                            (n, dtypes.info(t.dtype).name, list(t.shape),
+                             dtypes.int_view(t).numpy().tobytes()) for n, t in fb_new.items()]})
+                except BaseException:
+                    await self.rpc("undo", {"id": aid})
+                    raise
+                write_s = time.perf_counter() - t_w
+                self.fps = dict(m.fingerprints)
+                self.fallback.update(fb_new)
+                handle.commit(m.patch_bytes)
+                await self._after(m.version)
+            finally:
+                if self.pause is not None and self.resume is not None:
+                    await self.resume()
+            pause_s = time.perf_counter() - t0
+        await self.rpc("commit", {"id": aid})  # drops the ranks' undo logs; outside the pause
+        self._set_version(m.version)
+        return {"write_s": write_s, "pause_s": pause_s,
+                "write_rank_s": max(r["seconds"] for r in replies)}
+
+    async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
+        """Load a whole version through the engine's loader, then prove it."""
+        async with self._lock:
+            files = sorted(str(p) for p in Path(snap_dir).glob("*.safetensors"))
+            want = m.fingerprints
+            if set(want) != set(self.shapes):
+                raise PatchError(f"snapshot v{m.version} has other tensors than the engine")
+            gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
+            async with gate_cm as handle:
+                if self.pause is not None:
+                    await self.pause()
+                try:
+                    await self.rpc("load_files", {"files": files})
+                    replies = await self.rpc("sums", {})
+                    bad = [n for n, k in self.mult.items()
+                           if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                           != (k * want[n]) & fpr.MASK64] + _stale(replies)
+                    if bad:
+                        self._set_version(None)
+                        raise EngineStateError(
+                            f"v{m.version} loaded but {len(bad)} tensors do not verify: {bad[:3]}")
+                    if self.fallback:
+                        self.fallback = await asyncio.to_thread(
+                            _load_host, Path(snap_dir), set(self.fallback))
+                    self.fps = dict(want)
+                    handle.commit()
+                    await self._after(m.version)
+                finally:
+                    if self.pause is not None and self.resume is not None:
+                        await self.resume()
+            self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
+                          "tensors": len(self.mult), "fallback": len(self.fallback)}
+            self._set_version(m.version)
+
+    async def _after(self, version: int) -> None:
+        if self.after_apply is not None:
+            try:
+                await self.after_apply(version)
+            except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
+                log.debug("after_apply hook: %s", e)
+
+    async def verify(self) -> dict[str, Any]:
+        """Recompute every rank's full sums and compare with the held version's fingerprints."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            replies = await self.rpc("sums", {"names": sorted(self.mult)})
+            bad = [n for n, k in self.mult.items()
+                   if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                   != (k * self.fps[n]) & fpr.MASK64]
+            stale = _stale(replies)  # kernels' copies not rebuilt from the weights there now
+            bad += stale
+            self.check = {"ok": not bad, "at": time.time(), "kind": "full",
+                          "tensors": len(self.mult), "mismatched": bad[:20],
+                          "derived_copies": sum(self.derived_copies.values()),
+                          "stale_derived": stale[:20], "seconds": time.perf_counter() - t0}
+            if bad:
+                log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
+                          self.version, len(bad), ", ".join(bad[:5]))
+                self._set_version(None)
+            return self.check
+
+
+def _stale(replies) -> list[str]:
+    """Derived copies any rank reports stale, as 'rank R: module (kind)'."""
+    return [f"rank {i}: {name}" for i, r in enumerate(replies)
+            for name in r.get("stale_derived", [])]
+
+
+def _merge_counts(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + int(v)
+    return dict(sorted(out.items()))
+
+
+class _NoGate:
+    class _H:
+        def commit(self, patch_bytes: int | None = None) -> None:
+            pass
+
+    async def __aenter__(self):
+        return self._H()
+
+    async def __aexit__(self, *exc) -> bool:
+        return False
+

@@ -1,0 +1,540 @@
+"""Layout maps: where each element of a served-view (HF) tensor lives in an engine's parameters.
+
+A Stitch patch addresses the *served view*: HF tensor names, flat positions in HF shape, new bits.
+Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into
+``gate_up_proj``, vocab rows padded, every linear sharded over tensor-parallel ranks. Rather than
+re-deriving those rules per architecture and engine, we let the model's *own* ``load_weights``
+tell us: each engine parameter's ``.data`` is temporarily swapped for an integer shadow filled with
+-1 (int32 when the group's indices fit, else int64), and the model loads ``arange`` index tensors
+in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the
+loaders narrow / concatenate / pad, each shadow element ends up holding ``base[t] + hf_flat_pos``
+of the HF element it came from (0 where a loader wrote a constant, e.g. zeroed vocab padding; -1
+where nothing was written). That gives, per rank, an exact map HF position -> (engine param,
+flat position), stored compactly as runs.
+
+Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.
+An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend:
+packed linear layers, pre-packed MoE experts) keeps the canonical tensors on the module as
+``_stitch_masters`` ({attribute name: tensor}); ``engine_params`` and ``MastersInstalled`` use them
+instead of the packed parameters.
+
+A loader that transforms values instead of placing them yields a map that does not reproduce the
+engine's weights; the coordinator detects that at start-up with fingerprints
+(``stitch_core.engine.coordinator``) and falls back to the engine's own loader for that tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stitch_core._jit import numba
+from stitch_core.format import dtypes
+
+__all__ = [
+    "Segment",
+    "TensorMap",
+    "Layout",
+    "read_safetensors_shapes",
+    "engine_params",
+    "learn_layout",
+    "apply_chunk",
+    "apply_chunks",
+    "MastersInstalled",
+]
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+    "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# largest index value learned with int32 index tensors and shadows (a group past it uses int64)
+INT32_INDEX_MAX = int(np.iinfo(np.int32).max)
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoint header reading (no tensor data is loaded)
+# --------------------------------------------------------------------------- #
+def read_safetensors_shapes(model_dir) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{hf_name: (shape, dtype)} from every ``*.safetensors`` header in ``model_dir``."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            out[name] = (tuple(meta["shape"]), _ST_DTYPES[meta["dtype"]])
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Layout data structures
+# --------------------------------------------------------------------------- #
+@dataclass
+class Segment:
+    """Non-overlapping runs from one HF tensor into one engine parameter.
+
+    Run i maps HF flat positions ``[hf_start[i], hf_start[i]+length[i])`` to
+    engine flat positions ``[eng_start[i], ...)``.  ``hf_start`` is sorted.  If
+    a loader writes one HF element to several places of the same parameter,
+    there is one Segment per copy.
+    """
+
+    param: str
+    hf_start: np.ndarray
+    eng_start: np.ndarray
+    length: np.ndarray
+
+    @property
+    def n_elems(self) -> int:
+        return int(self.length.sum())
+
+    def locate(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask into ``pos`` of positions this segment holds, their engine positions)."""
+        p = pos.detach().cpu().to(torch.int64).numpy()
+        ok = np.empty(len(p), dtype=np.bool_)
+        eng = np.empty(len(p), dtype=np.int64)
+        n = _locate(self.hf_start, self.eng_start, self.length, p, ok, eng)
+        return torch.from_numpy(ok), torch.from_numpy(eng[:n])
+
+
+@numba.njit(cache=True, nogil=True)
+def _locate(hf_start, eng_start, length, pos, ok, eng) -> int:
+    """For each HF position: is it in a run, and where in the engine. One pass; sorted positions
+    (what patches carry) walk the runs, others binary-search them. Returns the count held."""
+    r = hf_start.shape[0]
+    n = 0
+    j = -1
+    for i in range(pos.shape[0]):
+        p = pos[i]
+        if not (j >= 0 and hf_start[j] <= p and (j + 1 == r or p < hf_start[j + 1])):
+            if j + 1 < r and hf_start[j + 1] <= p and (j + 2 >= r or p < hf_start[j + 2]):
+                j += 1
+            else:
+                j = np.searchsorted(hf_start, p, side="right") - 1
+        if j >= 0 and p < hf_start[j] + length[j]:
+            ok[i] = True
+            eng[n] = eng_start[j] + (p - hf_start[j])
+            n += 1
+        else:
+            ok[i] = False
+    return n
+
+
+@dataclass
+class TensorMap:
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    hf_dtype: torch.dtype
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def hf_numel(self) -> int:
+        return int(np.prod(self.hf_shape, dtype=np.int64))
+
+
+@dataclass
+class Layout:
+    """Per-rank map from HF tensors to engine parameters."""
+
+    tensors: dict[str, TensorMap]
+    param_shapes: dict[str, tuple[int, ...]]
+    param_dtypes: dict[str, torch.dtype]
+    # engine elements written with a constant (e.g. vocab padding) / never written
+    param_const: dict[str, int]
+    param_unwritten: dict[str, int]
+    rank_info: dict[str, Any] = field(default_factory=dict)
+
+    def derived(self) -> list[str]:
+        """Engine params no loader writes a single element of: computed from other weights after
+        loading (vLLM's MLA ``W_UK_T``/``W_UV`` from ``kv_b_proj``) or never loaded. A patch
+        cannot keep them in step with the weights they come from."""
+        return sorted(p for p, n in self.param_unwritten.items()
+                      if n and n == int(np.prod(self.param_shapes[p], dtype=np.int64)))
+
+    def summary(self) -> dict[str, Any]:
+        """Small picklable description (for collective_rpc replies / logs)."""
+        per_param: dict[str, dict[str, Any]] = {}
+        for p, shape in self.param_shapes.items():
+            per_param[p] = {"shape": list(shape), "dtype": str(self.param_dtypes[p]),
+                            "mapped": 0, "runs": 0, "sources": [],
+                            "const": self.param_const.get(p, 0),
+                            "unwritten": self.param_unwritten.get(p, 0)}
+        for t in self.tensors.values():
+            for s in t.segments:
+                d = per_param[s.param]
+                d["mapped"] += s.n_elems
+                d["runs"] += len(s.length)
+                d["sources"].append(t.hf_name)
+        return {"rank": self.rank_info, "params": per_param,
+                "hf_mapped": {n: sum(s.n_elems for s in t.segments)
+                              for n, t in self.tensors.items()}}
+
+
+# --------------------------------------------------------------------------- #
+# Engine parameters (with kept CPU masters substituted)
+# --------------------------------------------------------------------------- #
+def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Canonical engine params; a packed layer's kept masters replace its packed params."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for mod_name, mod in model.named_modules():
+        masters = getattr(mod, "_stitch_masters", None) or {}
+        for pname, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            out.setdefault(full, masters.get(pname, p))
+    # drop aliases (tied weights) keeping the first name, like named_parameters()
+    seen: dict[int, str] = {}
+    canon: dict[str, torch.nn.Parameter] = {}
+    for n, p in out.items():
+        if id(p) in seen:
+            continue
+        seen[id(p)] = n
+        canon[n] = p
+    return canon
+
+
+class MastersInstalled:
+    """Temporarily put kept master tensors back on their layers (for the model's loaders)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.swapped: list[tuple[torch.nn.Module, str, Any]] = []
+
+    def __enter__(self):
+        for mod in self.model.modules():
+            for attr, master in (getattr(mod, "_stitch_masters", None) or {}).items():
+                if mod._parameters.get(attr) is not master:
+                    self.swapped.append((mod, attr, mod._parameters.get(attr)))
+                    mod._parameters[attr] = master
+        return self
+
+    def __exit__(self, *exc):
+        for mod, attr, packed in reversed(self.swapped):
+            mod._parameters[attr] = packed
+        return False
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a = a.detach().to("cpu").contiguous().reshape(-1)
+    b = b.contiguous().reshape(-1)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.uint8), b.view(torch.uint8))
+
+
+class TensorState:
+    """Every buffer and plain tensor attribute of a model, kept (a CPU copy) so that what a loader
+    changes while it loads index tensors can be named and put back."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.kept: dict[str, tuple[torch.nn.Module, str, bool, torch.Tensor, int, torch.Tensor]]
+        self.kept = {}
+        for mod_name, mod in model.named_modules():
+            items = [(k, v, True) for k, v in mod._buffers.items()]
+            items += [(k, v, False) for k, v in vars(mod).items()
+                      if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+            for attr, t, buffer in items:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    key = f"{mod_name}.{attr}" if mod_name else attr
+                    self.kept[key] = (mod, attr, buffer, t, t._version,
+                                      t.detach().to("cpu", copy=True))
+
+    def restore(self) -> list[str]:
+        """Put back what changed (rebound or written in place); return their names."""
+        changed = []
+        for key, (mod, attr, buffer, t, version, copy) in self.kept.items():
+            now = mod._buffers.get(attr) if buffer else vars(mod).get(attr)
+            # a bumped version counter with the same bits: a view of a parameter the loader
+            # wrote through (the writes went to the shadow), not a change
+            if now is t and (t._version == version or _same_bits(t, copy)):
+                continue
+            changed.append(key)
+            if buffer:
+                mod._buffers[attr] = t
+            else:
+                setattr(mod, attr, t)
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(copy)
+        return sorted(changed)
+
+
+def _group_key(name: str) -> str:
+    m = _LAYER_RE.search(name)
+    return f"layer{int(m.group(1)):06d}" if m else "rest"
+
+
+# --------------------------------------------------------------------------- #
+# Learning the layout
+# --------------------------------------------------------------------------- #
+def learn_layout(
+    model: torch.nn.Module,
+    hf_shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype] | tuple[int, ...]],
+    *,
+    group_by_layer: bool = True,
+    shadow_device: str | torch.device = "cpu",
+    rank_info: dict[str, Any] | None = None,
+) -> Layout:
+    """Learn the HF -> engine map by loading index tensors with the model's own loaders.
+
+    Must run while the engine is idle (between steps): engine ``.data`` is
+    swapped out during the call and restored afterwards.  Groups (one per
+    decoder layer plus "rest") bound the integer shadow memory to one layer at a
+    time; a loader that writes outside its group raises (the engine should then
+    be reloaded, its weights are no longer trusted).
+    """
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for n, v in hf_shapes.items():
+        if len(v) == 2 and isinstance(v[1], torch.dtype):
+            shapes[n] = (tuple(v[0]), v[1])
+        else:
+            shapes[n] = (tuple(v), torch.bfloat16)
+
+    state = TensorState(model)
+    try:
+        with MastersInstalled(model):
+            params = engine_params(model)
+            key = _group_key if group_by_layer else (lambda n: "all")
+            groups = sorted({key(n) for n in shapes})
+            tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
+            const: dict[str, int] = {}
+            unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
+
+            for g in groups:
+                g_hf = [n for n in shapes if key(n) == g]
+                g_params = {n: p for n, p in params.items() if key(n) == g}
+                bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
+                bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
+                for i, n in enumerate(g_hf):
+                    bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
+                # int32 indices where the group's values fit: half the transient memory of the
+                # HF-shaped index tensor and the shadows (a 152k x 3584 embedding: 2.2 GB, not 4.4)
+                idx_dtype = torch.int32 if bases[-1] <= INT32_INDEX_MAX else torch.int64
+
+                saved: dict[str, torch.Tensor] = {}
+                saved_rg: dict[str, bool] = {}
+                shadows: dict[str, torch.Tensor] = {}
+                loaded: Any = None
+                try:
+                    for n, p in g_params.items():
+                        saved[n] = p.data
+                        saved_rg[n] = p.requires_grad
+                        p.requires_grad_(False)  # int .data is refused on grad params
+                        shadows[n] = torch.full(tuple(p.shape), -1, dtype=idx_dtype,
+                                                device=shadow_device)
+                        p.data = shadows[n]
+
+                    def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype):
+                        for i, n in enumerate(g_hf):
+                            yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
+                                                  dtype=idx_dtype).reshape(shapes[n][0])
+
+                    loaded = model.load_weights(index_tensors())
+                finally:
+                    for n, p in g_params.items():
+                        if n in saved:
+                            p.data = saved[n]
+                            p.requires_grad_(saved_rg[n])
+                if isinstance(loaded, set):
+                    # names the loaders reported as loaded must all have been shadowed
+                    outside = {ln for ln in loaded if ln in params and ln not in g_params}
+                    if outside:
+                        raise RuntimeError(
+                            f"layout learning for group {g!r} loaded params outside the group "
+                            f"{sorted(outside)[:5]}: their engine data now holds index values; "
+                            "reload the engine weights")
+
+                for pn, sh in shadows.items():
+                    flat = sh.view(-1).cpu().numpy()
+                    n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
+                        _scan_runs(flat, bases)
+                    if n_foreign:
+                        raise RuntimeError(
+                            f"layout learning: {n_foreign} elements of {pn} hold values no index "
+                            "tensor of its group carries (a loader that computes with the values?)")
+                    const[pn], unwritten[pn] = int(n_const), int(n_unwritten)
+                    for t in np.unique(tid):
+                        sel = tid == t
+                        tensors[g_hf[t]].segments.extend(
+                            _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
+                    del flat
+                shadows.clear()
+
+    finally:  # also when a loader raised: the engine keeps its own state
+        touched = state.restore()
+    if touched:
+        # a loader derived state from the values it loaded (e.g. a post-load step run inside
+        # load_weights): a patch could not keep that state in step with the weights
+        raise RuntimeError(
+            f"layout learning: the model's loaders changed {len(touched)} buffers or tensor "
+            f"attributes that are not parameters ({', '.join(touched[:5])}"
+            f"{' ...' if len(touched) > 5 else ''}; put back): state derived from the weights "
+            "cannot be followed by patches")
+
+    return Layout(
+        tensors=tensors,
+        param_shapes={n: tuple(p.shape) for n, p in params.items()},
+        param_dtypes={n: p.dtype for n, p in params.items()},
+        param_const=const,
+        param_unwritten=unwritten,
+        rank_info=dict(rank_info or {}),
+    )
+
+
+@numba.njit(cache=True, nogil=True)
+def _scan_runs(flat, bases):
+    """One pass over a filled integer shadow (engine order): its runs of consecutive index values
+    at consecutive engine positions within one tensor of the group. Returns (constant count,
+    unwritten count, foreign count, run tensor ids, HF starts, engine starts, lengths). Values:
+    -1 never written, 0 a constant from a loader, v in [bases[t], bases[t+1]) HF element
+    v - bases[t] of tensor t, anything else foreign."""
+    n = flat.shape[0]
+    lo, hi = bases[0], bases[bases.shape[0] - 1]
+    n_const = n_unwritten = n_foreign = n_runs = 0
+    prev, end = np.int64(-2), np.int64(0)  # last value of the open run; its tensor's end
+    for i in range(n):  # pass 1: count
+        v = flat[i]
+        if v < lo or v >= hi:
+            if v == 0:
+                n_const += 1
+            elif v < 0:
+                n_unwritten += 1
+            else:
+                n_foreign += 1
+            prev = -2
+        elif v == prev + 1 and v < end:
+            prev = v
+        else:
+            n_runs += 1
+            end = bases[np.searchsorted(bases, v, side="right")]
+            prev = v
+    tid = np.empty(n_runs, np.int64)
+    hf_start = np.empty(n_runs, np.int64)
+    eng_start = np.empty(n_runs, np.int64)
+    length = np.zeros(n_runs, np.int64)
+    r, prev, end = -1, np.int64(-2), np.int64(0)
+    for i in range(n):  # pass 2: fill
+        v = flat[i]
+        if v < lo or v >= hi:
+            prev = -2
+        elif v == prev + 1 and v < end:
+            length[r] += 1
+            prev = v
+        else:
+            r += 1
+            t = np.searchsorted(bases, v, side="right") - 1
+            tid[r], hf_start[r], eng_start[r], length[r] = t, v - bases[t], i, 1
+            end = bases[t + 1]
+            prev = v
+    return n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length
+
+
+def _segments(param: str, hf_start: np.ndarray, eng_start: np.ndarray,
+              length: np.ndarray) -> list[Segment]:
+    """Runs of one HF tensor in one param -> Segments with non-overlapping HF ranges, sorted by
+    HF start (a loader that writes an element to several places of the param yields one
+    Segment per copy: runs go to the first Segment they do not overlap)."""
+    order = np.lexsort((eng_start, hf_start))
+    hf_start, eng_start, length = hf_start[order], eng_start[order], length[order]
+    hf_end = hf_start + length
+    if len(hf_start) < 2 or not np.any(hf_start[1:] < np.maximum.accumulate(hf_end)[:-1]):
+        return [Segment(param, hf_start, eng_start, length)]
+    groups: list[list[int]] = []
+    ends: list[int] = []
+    for i in range(len(hf_start)):  # rare (duplicated elements): a short loop over runs
+        for g, e in enumerate(ends):
+            if hf_start[i] >= e:
+                groups[g].append(i)
+                ends[g] = int(hf_end[i])
+                break
+        else:
+            groups.append([i])
+            ends.append(int(hf_end[i]))
+    return [Segment(param, hf_start[g], eng_start[g], length[g]) for g in map(np.array, groups)]
+
+
+# --------------------------------------------------------------------------- #
+# Applying patches
+# --------------------------------------------------------------------------- #
+def apply_chunk(
+    params: Mapping[str, torch.Tensor],
+    layout: Layout,
+    hf_name: str,
+    positions,
+    values,
+    dirty: set[str] | None = None,
+) -> int:
+    """Write new values of HF tensor ``hf_name`` at HF flat ``positions`` into the engine.
+
+    ``values`` is a tensor in the HF dtype (or a same-itemsize integer tensor
+    holding its raw bits, e.g. int16 for bf16, or those bits as ``bytes``);
+    ``positions`` an int64 array/tensor or its ``bytes``.  Use bytes through
+    ``collective_rpc`` with multiprocessing: vLLM's msgpack encoder turns numpy
+    arrays / tensors into memoryviews that the worker MessageQueue cannot pickle.
+    Returns the number of engine elements written (0 if no part of the tensor
+    lives on this rank).
+    """
+    tmap = layout.tensors[hf_name]
+    if isinstance(positions, (bytes, bytearray, memoryview)):
+        positions = np.frombuffer(positions, dtype=np.int64)
+    if isinstance(values, (bytes, bytearray, memoryview)):  # raw little-endian bits
+        iv = _INT_VIEW[tmap.hf_dtype.itemsize]
+        values = dtypes.bits_from_bytes(values, iv)
+    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    vals = torch.as_tensor(values).reshape(-1)
+    if vals.dtype != tmap.hf_dtype:
+        if vals.element_size() == tmap.hf_dtype.itemsize and not vals.is_floating_point():
+            vals = vals.view(tmap.hf_dtype)
+        else:
+            raise TypeError(f"{hf_name}: values dtype {vals.dtype} != HF dtype {tmap.hf_dtype}")
+    if pos.numel() != vals.numel():
+        raise ValueError(f"{hf_name}: {pos.numel()} positions vs {vals.numel()} values")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tmap.hf_numel):
+        raise IndexError(f"{hf_name}: position out of range [0, {tmap.hf_numel})")
+    written = 0
+    for seg in tmap.segments:
+        ok, eng = seg.locate(pos)
+        if not eng.numel():
+            continue
+        p = params[seg.param]
+        data = p.data
+        if not data.is_contiguous():
+            raise RuntimeError(f"{seg.param}: non-contiguous engine param")
+        flat = data.view(-1)
+        v = vals[ok]
+        if data.dtype == v.dtype:
+            iv = _INT_VIEW[data.element_size()]
+            flat.view(iv).index_put_((eng.to(data.device),), v.view(iv).to(data.device))
+        else:  # engine keeps another dtype (e.g. fp32 engine, fp32 bias on AMX)
+            flat.index_put_((eng.to(data.device),), v.to(data.device).to(data.dtype))
+        written += int(eng.numel())
+        if dirty is not None:
+            dirty.add(seg.param)
+    return written
+
+
+def apply_chunks(model, layout: Layout, chunks: Iterable[tuple[str, Any, Any]]) -> dict[str, Any]:
+    """Apply several (hf_name, positions, values) chunks; returns what was written where."""
+    params = engine_params(model)
+    dirty: set[str] = set()
+    n = 0
+    for name, pos, vals in chunks:
+        n += apply_chunk(params, layout, name, pos, vals, dirty)
+    return {"written": n, "params": sorted(dirty)}
+
+

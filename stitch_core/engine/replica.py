@@ -1,0 +1,376 @@
+"""Rank side of an in-place engine apply: gather old bits, write new bits, prove what was written.
+
+One `RankReplica` lives next to the model in every tensor-parallel rank of an engine (a vLLM
+worker, an SGLang TP process). It never decodes a patch: the node's coordinator
+(`stitch_core.engine.coordinator`) decodes each patch once, and talks to the ranks in three calls:
+
+1. `gather(id, positions)`: HF flat positions per tensor. The rank maps them through its layout
+   (`stitch_core.engine.layout`), remembers where they live, and returns the old bits of those it
+   holds.
+2. `write(id, values)`: new bits per tensor, in the same order. The rank writes in place, reads
+   back, and returns per tensor the fingerprint delta sum h(i, read back) - h(i, old) over *every
+   copy it holds* (a replicated norm counts once per rank): the coordinator's check of the summed
+   deltas proves what is in memory now, not what was meant to be written. Any error undoes the
+   rank's writes before the call returns. (Between gather and write nothing else writes: the
+   coordinator holds its lock and engine steps are held.)
+3. `commit(id)` or `undo(id)`.
+
+`sums()` recomputes the same per-copy sums over the whole model (start-up check, `verify`); an
+engine that keeps a tensor in a wider dtype (fp32 norms) must hold exactly the widened served
+value, anything else counts as corruption. The coordinator checks that the ranks' sums add up to
+multiplicity x the manifest fingerprint, so every copy on every rank is proven, not just one
+designated owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from stitch_core.engine import derived
+from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
+from stitch_core.errors import StitchError
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+
+_BLOCK = 1 << 22  # elements per step when hashing scattered runs
+_LONG_RUN = 1 << 16  # runs at least this long are hashed in place (no index arrays)
+
+
+class ReplicaError(StitchError, RuntimeError):
+    pass
+
+
+_INEXACT = 0x9E3779B97F4A7C15  # added to a sum per engine value that is not a served-view value
+
+
+def index_dtype(bound: int) -> type[np.signedinteger]:
+    """Wire dtype of positions / indices below `bound` in the rank RPC: int32 when they fit (every
+    tensor under 2**31 elements), else int64. Both ends derive it from the tensor's size."""
+    return np.int32 if bound <= 2**31 else np.int64
+
+
+def _hf_bits(vals: torch.Tensor, hf_dtype: torch.dtype) -> torch.Tensor:
+    """Integer bits of engine values as the HF dtype (exact for same or widened dtypes)."""
+    if vals.dtype != hf_dtype:
+        vals = vals.to(hf_dtype)
+    return dtypes.int_view(vals)
+
+
+def _inexact(vals: torch.Tensor, hf_dtype: torch.dtype) -> int:
+    """Engine values (kept in a wider dtype) that no served-view value widens to: corruption."""
+    if vals.dtype == hf_dtype:
+        return 0
+    back = vals.to(hf_dtype).to(vals.dtype)
+    iv = dtypes.info(vals.dtype).int_dtype
+    return int((back.reshape(-1).view(iv) != vals.reshape(-1).view(iv)).sum())
+
+
+def _expand(seg: Segment, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF and engine flat positions of the runs `idx` of a segment."""
+    length = seg.length[idx]
+    run = np.repeat(np.arange(len(idx)), length)
+    within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(length) - length, length)
+    return seg.hf_start[idx][run] + within, seg.eng_start[idx][run] + within
+
+
+def _run_blocks(seg: Segment) -> Iterable[np.ndarray]:
+    """Indices of short runs, grouped so each group expands to at most _BLOCK elements."""
+    short = np.flatnonzero(seg.length < _LONG_RUN)
+    if not len(short):
+        return
+    csum = np.cumsum(seg.length[short])
+    cut = np.searchsorted(csum, np.arange(_BLOCK, int(csum[-1]) + _BLOCK, _BLOCK), side="right")
+    lo = 0
+    for hi in [*cut.tolist(), len(short)]:
+        if hi > lo:
+            yield short[lo:hi]
+            lo = hi
+
+
+class RankReplica:
+    """The rank's view of an engine model as served-view tensors, patched in place.
+
+    masters: context manager putting canonical weights back while the model's loader runs
+    (engines that repack weights after loading). on_dirty: called with the engine parameter
+    names whose bits changed (e.g. to re-pack them).
+    """
+
+    def __init__(self, model: torch.nn.Module, *,
+                 masters: Callable[[torch.nn.Module], Any] = MastersInstalled,
+                 on_dirty: Callable[[set[str]], Any] | None = None,
+                 rank_info: dict[str, Any] | None = None):
+        self.model = model
+        self.masters = masters
+        self.on_dirty = on_dirty or (lambda dirty: None)
+        self.rank_info = dict(rank_info or {})
+        self.layout: Layout | None = None
+        self._plan: dict[str, list[tuple]] = {}
+        self._plan_id: str | None = None
+        self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._undo_id: str | None = None
+        self._dirty: set[str] = set()
+        self._last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ------------------------------------------------------------ set-up and full checks
+
+    def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, Any]:
+        """Learn the layout (engine idle) and return full per-copy sums and mapped counts."""
+        hf = {n: (tuple(s), dtypes.info(d).torch_dtype) for n, (s, d) in shapes.items()}
+        t0 = time.perf_counter()
+        self.layout = learn_layout(self.model, hf, rank_info=self.rank_info)
+        learn_s = time.perf_counter() - t0
+        sums = self.sums()
+        mapped = {n: sum(s.n_elems for s in t.segments) for n, t in self.layout.tensors.items()}
+        return {"rank": self.rank_info, "sums": sums, "mapped": mapped, "learn_s": learn_s,
+                "sums_s": time.perf_counter() - t0 - learn_s,
+                "const": {p: c for p, c in self.layout.param_const.items() if c},
+                "unwritten": {p: c for p, c in self.layout.param_unwritten.items() if c},
+                "derived": self.layout.derived(),
+                # kernels' private copies of weights: kept in step (by kind), stale, not kept
+                "derived_copies": derived.kinds(self.model),
+                "stale_derived": derived.stale(self.model),
+                "unmanaged": derived.unmanaged(self.model)}
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return engine_params(self.model)
+
+    def sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """Per tensor: sum of h over every copy this rank holds (mod 2^64)."""
+        layout = self._layout()
+        params = self._params()
+        out = {}
+        for name in names if names is not None else layout.tensors:
+            tm = layout.tensors[name]
+            total = 0
+            for seg in tm.segments:
+                flat = params[seg.param].data.reshape(-1)
+                for i in np.flatnonzero(seg.length >= _LONG_RUN).tolist():
+                    e, h, n = int(seg.eng_start[i]), int(seg.hf_start[i]), int(seg.length[i])
+                    for s in range(0, n, _BLOCK):
+                        m = min(_BLOCK, n - s)
+                        vals = flat[e + s: e + s + m]
+                        if vals.dtype != tm.hf_dtype:
+                            total += _INEXACT * _inexact(vals, tm.hf_dtype)
+                            vals = vals.to(tm.hf_dtype)
+                        total += fpr.fingerprint(name, vals, offset=h + s)
+                for idx in _run_blocks(seg):
+                    hpos, epos = _expand(seg, idx)
+                    ept = torch.from_numpy(epos).to(flat.device)
+                    vals = flat[ept]
+                    total += _INEXACT * _inexact(vals, tm.hf_dtype)
+                    bits = _hf_bits(vals, tm.hf_dtype)
+                    total += fpr.sum_at(name, torch.from_numpy(hpos).to(bits.device), bits,
+                                        tm.hf_dtype.itemsize)
+            out[name] = total & fpr.MASK64
+        return out
+
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise ReplicaError("layout not learned yet: call setup() first")
+        return self.layout
+
+    # ------------------------------------------------------------ the apply protocol
+
+    def gather(self, apply_id: str, positions: Mapping[str, bytes]) -> dict[str, Any]:
+        """Locate HF positions on this rank; return {name: (held index or None=all, old bits)}."""
+        layout = self._layout()
+        params = self._params()
+        self._plan, self._plan_id = {}, apply_id
+        t0 = time.perf_counter()
+        out: dict[str, tuple[bytes | None, bytes]] = {}
+        for name, pb in positions.items():
+            tm = layout.tensors.get(name)
+            if tm is None:
+                raise ReplicaError(f"{name}: not a tensor of this model's layout")
+            pos = torch.from_numpy(
+                np.frombuffer(pb, dtype=index_dtype(tm.hf_numel)).astype(np.int64))
+            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
+                raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
+            idt = dtypes.info(tm.hf_dtype).int_dtype
+            old_bits = torch.zeros(pos.numel(), dtype=idt)
+            complete = not pos.numel()  # a segment held every position: old_bits is whole
+            held: torch.Tensor | None = None  # else: which positions some segment holds
+            plan = []
+            for seg in tm.segments:
+                ok, eng = seg.locate(pos)
+                if not eng.numel():
+                    continue
+                p = params[seg.param]
+                eng_d = eng.to(p.device)
+                old = p.data.reshape(-1)[eng_d]
+                bits_d = _hf_bits(old, tm.hf_dtype)
+                if eng.numel() == pos.numel():  # this segment holds every position (TP=1)
+                    sel, hpos = None, pos
+                    if not complete:
+                        old_bits, complete = bits_d.cpu().clone(), True
+                else:
+                    sel = ok.nonzero().squeeze(1)
+                    hpos = pos[sel]
+                    if not complete:
+                        if held is None:
+                            held = torch.zeros(pos.numel(), dtype=torch.bool)
+                        new = ~held[sel]  # not held by an earlier segment
+                        old_bits[sel[new]] = bits_d.cpu()[new]
+                        held[sel] = True
+                plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
+            self._plan[name] = (pos.numel(), plan)
+            if complete or (held is not None and bool(held.all())):
+                out[name] = (None, old_bits.numpy().tobytes())
+            else:
+                idx = (held.nonzero().squeeze(1) if held is not None
+                       else torch.zeros(0, dtype=torch.int64))
+                out[name] = (idx.numpy().astype(index_dtype(pos.numel())).tobytes(),
+                             old_bits[idx].numpy().tobytes())
+        return {"old": out, "seconds": time.perf_counter() - t0}
+
+    def write(self, apply_id: str, values: Mapping[str, bytes]) -> dict[str, Any]:
+        """Write new bits (every position of each gathered tensor, in gather order)."""
+        if apply_id != self._plan_id:
+            raise ReplicaError(f"write {apply_id} without a matching gather ({self._plan_id})")
+        layout = self._layout()
+        params = self._params()
+        t0 = time.perf_counter()
+        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        dirty: set[str] = set()
+        deltas: dict[str, int] = {}
+        try:
+            for name, vb in values.items():
+                tm = layout.tensors[name]
+                hf = dtypes.info(tm.hf_dtype)
+                new_all = dtypes.bits_from_bytes(vb, hf.int_dtype)
+                if name not in self._plan:
+                    raise ReplicaError(f"{name}: values for a tensor that was not gathered")
+                n, plan = self._plan[name]
+                if new_all.numel() != n:
+                    raise ReplicaError(f"{name}: {new_all.numel()} values for {n} positions")
+                d = 0
+                for pname, eng, sel, hpos, old, old_bits in plan:
+                    flat = params[pname].data.reshape(-1)
+                    iv = dtypes.info(flat.dtype).int_dtype
+                    new_bits = (new_all if sel is None else new_all[sel]).to(eng.device)
+                    new_vals = new_bits.view(tm.hf_dtype)
+                    undo.append((flat, eng, old))
+                    dirty.add(pname)
+                    if flat.dtype == tm.hf_dtype:
+                        flat.view(iv).index_put_((eng,), new_vals.view(iv))
+                    else:  # the engine keeps a wider dtype (e.g. fp32 bias): exact conversion
+                        flat.index_put_((eng,), new_vals.to(flat.dtype))
+                    # hash what is *there now*: the coordinator's check of the summed deltas is
+                    # the read-back proof (a lost or wrong write changes the sum)
+                    back = flat[eng]
+                    extra = _INEXACT * _inexact(back, tm.hf_dtype)
+                    d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
+                          - fpr.sum_at(name, hpos, old_bits, hf.itemsize) + extra)
+                deltas[name] = d & fpr.MASK64
+            if dirty:
+                self.on_dirty(dirty)
+                # what the kernels read: every derived copy built from what was written must have
+                # been rebuilt from the bytes that are there now
+                stale = derived.stale(self.model, [flat for flat, _, _ in undo])
+                if stale:
+                    raise ReplicaError(f"derived copies not rebuilt after the write (kernels would "
+                                       f"read old values): {', '.join(stale[:5])}; undone")
+        except BaseException:
+            self._restore(undo, dirty)
+            raise
+        self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
+        self._last_write = [(flat, eng) for flat, eng, _ in undo]
+        return {"delta": deltas, "dirty": sorted(dirty), "seconds": time.perf_counter() - t0}
+
+    def _restore(self, undo, dirty: set[str]) -> None:
+        for flat, eng, old in reversed(undo):
+            if flat.dtype == old.dtype:
+                iv = dtypes.info(flat.dtype).int_dtype
+                flat.view(iv).index_put_((eng,), old.view(iv))
+        if dirty:
+            with contextlib.suppress(Exception):
+                self.on_dirty(dirty)
+
+    def undo(self, apply_id: str) -> dict[str, Any]:
+        if apply_id != self._undo_id:
+            raise ReplicaError(f"nothing to undo for {apply_id}")
+        self._restore(self._undo, self._dirty)
+        self._undo, self._undo_id, self._dirty = [], None, set()
+        return {"undone": apply_id}
+
+    def commit(self, apply_id: str) -> dict[str, Any]:
+        if apply_id == self._undo_id:
+            self._undo, self._undo_id, self._dirty = [], None, set()
+        if apply_id == self._plan_id:
+            self._plan, self._plan_id = {}, None
+        return {"committed": apply_id}
+
+    def baseline(self, repeat: int = 3) -> dict[str, Any]:
+        """Benchmark baseline: the best time of a bare ``index_put_`` of the last write's values
+        at the same engine positions of the same tensors (rewrites identical bits)."""
+        if not self._last_write:
+            raise ReplicaError("no write to compare with")
+        vals = [flat[eng].clone() for flat, eng in self._last_write]
+        best = float("inf")
+        for _ in range(max(1, repeat)):
+            t0 = time.perf_counter()
+            for (flat, eng), v in zip(self._last_write, vals, strict=True):
+                flat.index_put_((eng,), v)
+            if vals and vals[0].device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return {"index_put_s": best, "elements": sum(int(e.numel()) for _, e in self._last_write)}
+
+    # ------------------------------------------------------------ the engine's own loader
+
+    def load(self, items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Load whole tensors through the model's own `load_weights` (fallback and snapshots)."""
+        t0 = time.perf_counter()
+        items = list(items)
+        with self.masters(self.model):
+            self.model.load_weights(iter(items))
+        layout = self.layout
+        if layout is not None and all(n in layout.tensors for n, _ in items):
+            dirty = {s.param for n, _ in items for s in layout.tensors[n].segments}
+        else:
+            dirty = set(self._params())
+        self.on_dirty(dirty)
+        self._plan, self._plan_id = {}, None
+        return {"loaded": len(items), "seconds": time.perf_counter() - t0}
+
+    def load_files(self, files: Iterable[str]) -> dict[str, Any]:
+        """Load every tensor of these safetensors files (a snapshot) through the model's loader."""
+        from safetensors import safe_open
+
+        items = []
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                items.extend((k, sf.get_tensor(k)) for k in sf.keys())  # noqa: SIM118
+        return self.load(items)
+
+    def dispatch(self, method: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """One entry point for engine RPC adapters: method name + keyword payload."""
+        if method == "setup":
+            return self.setup(payload["shapes"])
+        if method == "sums":
+            return {"sums": self.sums(payload.get("names")),
+                    "stale_derived": derived.stale(self.model)}
+        if method == "gather":
+            return self.gather(payload["id"], payload["positions"])
+        if method == "write":
+            return self.write(payload["id"], payload["values"])
+        if method == "undo":
+            return self.undo(payload["id"])
+        if method == "commit":
+            return self.commit(payload["id"])
+        if method == "load":
+            return self.load((n, dtypes.from_int(dtypes.bits_from_bytes(b, dtypes.info(
+                d).int_dtype), dtypes.info(d).torch_dtype, tuple(s))) for n, d, s, b in
+                payload["tensors"])
+        if method == "baseline":
+            return self.baseline(int(payload.get("repeat", 3)))
+        if method == "load_files":
+            return self.load_files(payload["files"])
+        raise ReplicaError(f"unknown method {method!r}")

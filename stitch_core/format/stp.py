@@ -1,0 +1,170 @@
+"""The `.stp` container: preamble, chunk payloads, JSON header, footer with a BLAKE2b checksum.
+
+    preamble  8 B magic b"\\x89STP\\r\\n\\x1a\\n" | u32 format version (1) | u32 flags (0)
+    payloads  chunk payloads back to back (positions stream, then values stream)
+    header    UTF-8 JSON (PatchHeader)
+    footer    u64 header offset | u64 header length | 32 B BLAKE2b-256 of every byte before the
+              digest | 8 B end magic b"STPEND\\x00\\x01"
+All integers little-endian. Readers verify the digest before trusting anything, so a patch is read
+twice from disk (once hashing, once decoding) but never held in memory whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import ValidationError
+
+from stitch_core.errors import StitchError
+from stitch_core.format.header import FORMAT_VERSION, Chunk, PatchHeader
+
+MAGIC = b"\x89STP\r\n\x1a\n"
+END_MAGIC = b"STPEND\x00\x01"
+PREAMBLE = struct.Struct("<8sII")
+FOOTER = struct.Struct("<QQ32s8s")
+MAX_HEADER_BYTES = 256 << 20
+_READ = 8 << 20
+
+
+class PatchError(StitchError, ValueError):
+    """A patch that cannot be used: malformed, corrupt, or not for this base. One-line message."""
+
+
+class PatchWriter:
+    """Streams chunk payloads to a binary file, then the header and footer."""
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self._h = hashlib.blake2b(digest_size=32)
+        self._pos = 0
+        self._write(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+
+    def _write(self, b: bytes) -> None:
+        self._f.write(b)
+        self._h.update(b)
+        self._pos += len(b)
+
+    def add_payload(self, pos_bytes: bytes, val_bytes: bytes) -> tuple[int, int]:
+        """Write one chunk payload; returns (offset, crc32)."""
+        off = self._pos
+        self._write(pos_bytes)
+        self._write(val_bytes)
+        return off, zlib.crc32(val_bytes, zlib.crc32(pos_bytes))
+
+    def finish(self, header: PatchHeader) -> int:
+        """Write header and footer; returns the file size."""
+        blob = header.model_dump_json(exclude_none=True).encode()
+        off = self._pos
+        self._write(blob)
+        self._write(struct.pack("<QQ", off, len(blob)))
+        digest = self._h.digest()
+        self._f.write(digest + END_MAGIC)
+        return self._pos + 40
+
+
+def _err(msg: str) -> PatchError:
+    return PatchError(msg)
+
+
+class PatchReader:
+    """Opens a patch (path, bytes or binary file), verifies it whole, then serves its chunks."""
+
+    def __init__(self, src: str | os.PathLike | bytes | bytearray | memoryview | BinaryIO):
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            self._f: BinaryIO = io.BytesIO(bytes(src))
+            self._own = True
+        elif isinstance(src, (str, os.PathLike)):
+            try:
+                self._f = open(Path(src), "rb")  # noqa: SIM115 - closed by close()
+            except OSError as e:
+                raise _err(f"cannot open patch: {e.strerror}") from None
+            self._own = True
+        else:
+            self._f, self._own = src, False
+        try:
+            self.header = self._open()
+        except Exception:
+            self.close()
+            raise
+
+    def _open(self) -> PatchHeader:
+        f = self._f
+        size = f.seek(0, io.SEEK_END)
+        self.size = size
+        if size < PREAMBLE.size + FOOTER.size:
+            raise _err(f"not a stitch patch: {size} bytes is too short (truncated?)")
+        f.seek(0)
+        magic, version, flags = PREAMBLE.unpack(f.read(PREAMBLE.size))
+        if magic != MAGIC:
+            raise _err("not a stitch patch (bad magic)")
+        if version != FORMAT_VERSION:
+            raise _err(
+                f"unsupported patch format version {version} (this build reads {FORMAT_VERSION})"
+            )
+        if flags != 0:
+            raise _err(f"unsupported patch flags {flags:#x}")
+        f.seek(size - FOOTER.size)
+        hoff, hlen, digest, end = FOOTER.unpack(f.read(FOOTER.size))
+        if end != END_MAGIC:
+            raise _err("patch footer missing (truncated or not a stitch patch)")
+        if hlen > MAX_HEADER_BYTES or hoff < PREAMBLE.size or hoff + hlen != size - FOOTER.size:
+            raise _err("patch header location is inconsistent (corrupt or truncated)")
+        h = hashlib.blake2b(digest_size=32)
+        f.seek(0)
+        left = size - 40
+        while left:
+            b = f.read(min(_READ, left))
+            if not b:
+                raise _err("patch shrank while reading")
+            h.update(b)
+            left -= len(b)
+        if h.digest() != digest:
+            raise _err("patch checksum mismatch (corrupted in transit or on disk)")
+        f.seek(hoff)
+        try:
+            header = PatchHeader.model_validate(json.loads(f.read(hlen)))
+        except (ValueError, ValidationError, RecursionError) as e:  # deep nesting: RecursionError
+            first = str(e).splitlines()
+            raise _err(f"malformed patch header: {' '.join(first[:3])}") from None
+        self.data_end = hoff
+        for t in header.tensors:
+            for c in t.chunks:
+                if c.offset < PREAMBLE.size or c.offset + c.nbytes > hoff:
+                    raise _err(f"{t.name}: chunk lies outside the payload area")
+        return header
+
+    def read_chunk(self, c: Chunk) -> tuple[memoryview, memoryview]:
+        self._f.seek(c.offset)
+        b = self._f.read(c.nbytes)
+        if len(b) != c.nbytes or zlib.crc32(b) != c.crc32:
+            raise _err("chunk checksum mismatch")
+        m = memoryview(b)
+        return m[: c.pos_bytes], m[c.pos_bytes :]
+
+    def chunks(self, name: str) -> Iterator[tuple[Chunk, memoryview, memoryview]]:
+        entry = self.entry(name)
+        for c in entry.chunks:
+            yield (c, *self.read_chunk(c))
+
+    def entry(self, name: str):
+        if not hasattr(self, "_by_name"):
+            self._by_name = {t.name: t for t in self.header.tensors}
+        return self._by_name[name]
+
+    def close(self) -> None:
+        if self._own:
+            self._f.close()
+
+    def __enter__(self) -> PatchReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

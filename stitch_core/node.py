@@ -1,0 +1,260 @@
+"""Following a run inside an engine's server process, for any engine.
+
+`EngineFollower` ties together, for one engine:
+
+* a `stitch_core.engine.coordinator.Coordinator` whose RPC reaches a
+  `stitch_core.engine.replica.RankReplica` on
+  every TP rank; it learns the layouts, proves the loaded weights against the snapshot's manifest
+  (`stitch-manifest.json`, written by `stitch pull`) and then applies every version;
+* a `stitch_core.versions.follower.Follower` (NATS announcements + a reconcile timer on the board)
+  feeding
+  it versions in order;
+* a `stitch_core.serve.gate.VersionGate` that `FollowerMiddleware` (a
+  `stitch_core.serve.asgi.StitchASGI`)
+  consults for the version protocol ([docs/protocol.md]).
+
+An engine plugin (stitch_vllm, stitch_sglang) subclasses both: how to reach the ranks, how to hold
+engine steps, what to tell the engine after an apply, and where its engine handle lives.
+Configuration is the environment (`Settings`). Requests get 409 until the engine holds a proven
+version; it never serves silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from stitch_core.serve.asgi import StitchASGI, send_json
+
+log = logging.getLogger("stitch.engine")
+
+__all__ = ["Settings", "EngineFollower", "FollowerMiddleware", "current"]
+
+
+class Settings(BaseModel):
+    """Environment configuration (STITCH_<FIELD> upper-cased)."""
+
+    board: str | None = None  # board URL or directory; unset: serve the loaded version only
+    run: str | None = None  # default: the run of the snapshot's manifest
+    nats_url: str | None = None  # announcements (optional: the board is polled anyway)
+    cache_dir: str = str(Path(tempfile.gettempdir()) / "stitch-cache")
+    apply_mode: Literal["immediate", "drain"] = "immediate"
+    drain_timeout: float = 30.0
+    max_wait: float = 600.0
+    reconcile_interval: float = 5.0
+    pause_steps: bool = True  # hold engine steps while ranks write (verified before resuming)
+    verify_interval: float = 0.0  # seconds between full fingerprint checks (0: start-up only)
+    loader_fallback: bool = False  # tensors the map cannot place: load unverified (else refuse)
+    engine_id: str | None = None
+    engine_url: str | None = None  # advertised in heartbeats
+    region: str | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        vals: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = f"STITCH_{name.upper()}"
+            if key in env and env[key] != "":
+                vals[name] = env[key]
+        return cls.model_validate(vals)
+
+
+class EngineFollower:
+    """Coordinator + Follower + VersionGate for one engine (one API server process).
+
+    An engine adapter subclasses it and implements `rpc` (reach `RankReplica.dispatch` on every
+    TP rank; one reply per rank), and optionally `pause`/`resume` (hold engine steps) and
+    `after_apply(version)` (runs while steps are held: reset caches, set the engine's version).
+    """
+
+    engine_name = "engine"
+
+    def __init__(self, settings: Settings, model_dir: str | Path):
+        self.settings = settings
+        self.model_dir = str(model_dir)
+        self.gate: Any = None
+        self.coord: Any = None
+        self.follower: Any = None
+        self.error: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def rpc(self, method: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def pause(self) -> None:
+        """Hold engine steps (requests in flight stay, frozen)."""
+
+    async def resume(self) -> None:
+        """Release what `pause` held."""
+
+    async def after_apply(self, version: int) -> None:
+        """The engine now holds `version` (steps still held)."""
+
+    async def start(self) -> None:
+        """Create the gate at once (requests get 409 meanwhile), then prove and follow."""
+        from stitch_core.engine.coordinator import read_pulled_manifest
+        from stitch_core.serve.gate import VersionGate
+        from stitch_core.serve.metrics import Metrics, default_registry
+
+        s = self.settings
+        m = read_pulled_manifest(self.model_dir)
+        run = s.run or (m.run if m is not None else None)
+        if run is None:
+            raise ValueError("STITCH_RUN is not set and the model directory has no "
+                             "stitch-manifest.json (start from `stitch pull` output)")
+        self.gate = VersionGate(run, mode=s.apply_mode, drain_timeout=s.drain_timeout,
+                                max_wait=s.max_wait, metrics=Metrics(default_registry(), run=run))
+        self.gate.status_extra = self.status_extra
+        self._tasks.append(asyncio.create_task(self._run(run)))
+
+    async def _run(self, run: str) -> None:
+        from stitch_core.engine.coordinator import Coordinator, EngineStateError
+        from stitch_core.versions.follower import Follower
+
+        s = self.settings
+        try:
+            self.coord = Coordinator(
+                self.rpc, run=run, gate=self.gate,
+                pause=self.pause if s.pause_steps else None,
+                resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
+                loader_fallback=s.loader_fallback)
+            version = await self.coord.start(self.model_dir)
+        except Exception as e:
+            self.error = f"start-up check failed: {e}"
+            log.exception("stitch: %s; not serving", self.error)
+            return
+        if s.board is None:
+            log.warning("stitch: STITCH_BOARD is not set; serving %s v%s without following", run,
+                        version)
+            return
+
+        async def apply(step, path):
+            try:
+                await self.coord(step, path)
+            except EngineStateError:
+                check = await self.coord.verify()
+                if not check["ok"]:
+                    self.follower.version = None  # reload from a snapshot on the next round
+                raise
+
+        self.follower = Follower(
+            s.board, run, apply, version=version, nats=s.nats_url, cache_dir=s.cache_dir,
+            reconcile_interval=s.reconcile_interval, engine_id=s.engine_id, url=s.engine_url,
+            region=s.region, on_latest=self.gate.set_latest)
+        self.gate.catch_up = self.follower.wait_for
+        await self.follower.start()
+        if s.verify_interval > 0:
+            self._tasks.append(asyncio.create_task(self._verify_every(s.verify_interval)))
+
+    async def _verify_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(Exception):
+                check = await self.coord.verify()
+                if not check["ok"] and self.follower is not None:
+                    self.follower.version = None
+                    self.follower._wake.set()
+
+    def status_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine": self.engine_name, "model_dir": self.model_dir}
+        if self.coord is not None:
+            out.update(self.coord.status())
+        if self.follower is not None:
+            out["follower"] = {"id": self.follower.id, "last_error": self.follower.last_error,
+                               "latest": self.follower.latest}
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    async def verify(self) -> dict[str, Any]:
+        if self.coord is None:
+            return {"ok": None, "error": self.error or "starting"}
+        return await self.coord.verify()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.follower is not None:
+            with contextlib.suppress(Exception):
+                await self.follower.stop()
+
+
+class FollowerMiddleware(StitchASGI):
+    """The version protocol, plus the engine follower's start (ASGI lifespan) and stop.
+
+    Subclasses implement `make_follower(app)`; one follower per process (`current()`). Adds
+    `POST /stitch/verify` (recompute every rank's fingerprints now).
+    """
+
+    def __init__(self, app: Any, **kw: Any):
+        super().__init__(app, _current_gate, **kw)
+
+    def make_follower(self, app: Any) -> EngineFollower | None:
+        raise NotImplementedError
+
+    async def lifespan(self, scope, receive, send) -> None:
+        async def recv():
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await self.startup(scope.get("app"))
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+            return msg
+
+        await self.app(scope, recv, send)
+
+    async def startup(self, app: Any) -> None:
+        global _CURRENT, _REFUSING
+        if _CURRENT is not None:
+            return
+        try:
+            ef = self.make_follower(app)
+            if ef is None:
+                raise RuntimeError("no engine handle on the app")
+            await ef.start()
+            _CURRENT = ef
+        except Exception:
+            # never serve unproven weights silently: every gated request gets 409 not_ready
+            from stitch_core.serve.gate import VersionGate
+
+            _REFUSING = VersionGate(Settings.from_env().run or "unknown")
+            log.exception("stitch: could not start the follower; requests get 409")
+
+    async def shutdown(self) -> None:
+        global _CURRENT, _REFUSING
+        _REFUSING = None
+        if _CURRENT is not None:
+            await _CURRENT.stop()
+            _CURRENT = None
+
+    async def http(self, scope, receive, send) -> None:
+        if scope.get("path") == "/stitch/verify" and scope.get("method") == "POST":
+            ef = _CURRENT
+            check = await ef.verify() if ef is not None else {"ok": None, "error": "not started"}
+            await send_json(send, 200 if check.get("ok") else 503, check)
+            return
+        await super().http(scope, receive, send)
+
+
+_CURRENT: EngineFollower | None = None
+_REFUSING: Any = None  # a gate holding no version, when the follower could not start
+
+
+def _current_gate() -> Any:
+    return _CURRENT.gate if _CURRENT is not None else _REFUSING
+
+
+def current() -> EngineFollower | None:
+    """The engine follower of this process (None before start-up)."""
+    return _CURRENT

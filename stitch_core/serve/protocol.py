@@ -1,0 +1,249 @@
+"""The Stitch serving protocol: what a client asks for and what an engine answers. No I/O.
+
+A client may pin the policy version a request is served from with one request header:
+
+* ``X-Stitch-Version: N``      exactly version N;
+* ``X-Stitch-Min-Version: N``  version N or newer;
+
+and allow the engine to catch up first with ``X-Stitch-Wait: S`` (seconds, default 0, capped).
+An engine that cannot serve the request answers HTTP 409 with :func:`not_ready_body` and a
+``Retry-After`` header. Every answer of a completion endpoint names the versions that may have
+produced its tokens (``X-Stitch-Version-Start`` / ``-End`` headers and the ``"stitch"`` body
+field). The full specification is docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from stitch_core.errors import StitchError
+from stitch_core.versions.state import EngineState, engine_state, lag  # noqa: F401 (re-exported)
+
+# Request headers (HTTP header names are case-insensitive; ASGI gives them lower-case).
+VERSION_HEADER = "X-Stitch-Version"
+MIN_VERSION_HEADER = "X-Stitch-Min-Version"
+WAIT_HEADER = "X-Stitch-Wait"
+# Response headers.
+VERSION_START_HEADER = "X-Stitch-Version-Start"
+VERSION_END_HEADER = "X-Stitch-Version-End"
+RUN_HEADER = "X-Stitch-Run"
+RETRY_AFTER_HEADER = "Retry-After"
+
+RESPONSE_FIELD = "stitch"
+"""JSON body field (and last SSE chunk field) carrying run / version_start / version_end."""
+
+NOT_READY_TYPE = "stitch_version_not_ready"
+BAD_REQUEST_TYPE = "stitch_bad_request"
+
+DEFAULT_PATHS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
+STATUS_PATH = "/stitch/status"
+DEFAULT_MAX_WAIT = 600.0
+SALT_PREFIX = "stitch"
+
+Reason = Literal["not_ready", "behind", "passed", "draining", "applying", "version_changed"]
+"""Why a request was refused (the ``reason`` field of a 409 body):
+
+* ``not_ready``        the engine holds no verified version yet;
+* ``behind``           the engine is older than the request wants (and did not catch up in time);
+* ``passed``           an exact version older than the one serving (engines never go back);
+* ``draining``/``applying``  an exact pin on the outgoing version while an apply is under way;
+* ``version_changed``  an exact-pinned request was in flight when the serving version changed.
+"""
+
+
+class BadRequest(StitchError, ValueError):
+    """Malformed Stitch request headers (answered with HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class VersionRequest:
+    """What a request asks for: at most one of `exact` / `minimum`, and how long it may wait."""
+
+    exact: int | None = None
+    minimum: int | None = None
+    wait: float = 0.0
+
+    @property
+    def pinned(self) -> bool:
+        return self.exact is not None
+
+    @property
+    def wanted(self) -> int | None:
+        return self.exact if self.exact is not None else self.minimum
+
+
+HeaderSource = Mapping[str, str] | Iterable[tuple[bytes, bytes]] | Iterable[tuple[str, str]]
+
+
+def _header_values(headers: HeaderSource, name: str) -> list[str]:
+    lname = name.lower()
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out = []
+    for k, v in items:
+        ks = k.decode("latin-1") if isinstance(k, bytes) else k
+        if ks.lower() == lname:
+            out.append(v.decode("latin-1") if isinstance(v, bytes) else v)
+    return out
+
+
+def _one(headers: HeaderSource, name: str) -> str | None:
+    values = {v.strip() for v in _header_values(headers, name)}
+    if len(values) > 1:
+        raise BadRequest(f"{name} given more than once with different values")
+    return values.pop() if values else None
+
+
+def parse_version(value: str, name: str = VERSION_HEADER) -> int:
+    """A version number: a non-negative decimal integer."""
+    s = value.strip()
+    if not s.isascii() or not s.isdigit():
+        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}")
+    return int(s)
+
+
+def parse_wait(value: str, max_wait: float = DEFAULT_MAX_WAIT) -> float:
+    """Seconds a request may wait: a finite non-negative number, capped at `max_wait`."""
+    try:
+        wait = float(value.strip())
+    except ValueError:
+        raise BadRequest(f"{WAIT_HEADER} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(wait) or wait < 0:
+        raise BadRequest(f"{WAIT_HEADER} must be a finite non-negative number, got {value!r}")
+    return min(wait, max_wait)
+
+
+def parse_request(headers: HeaderSource, max_wait: float = DEFAULT_MAX_WAIT) -> VersionRequest:
+    """Read the Stitch request headers (a mapping, or ASGI's list of (bytes, bytes) pairs).
+
+    Raises :class:`BadRequest` for both version headers at once, a non-integer or negative
+    version, a malformed or negative wait, or a header repeated with different values.
+    """
+    headers = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+    exact_s = _one(headers, VERSION_HEADER)
+    min_s = _one(headers, MIN_VERSION_HEADER)
+    wait_s = _one(headers, WAIT_HEADER)
+    if exact_s is not None and min_s is not None:
+        raise BadRequest(f"give {VERSION_HEADER} or {MIN_VERSION_HEADER}, not both")
+    exact = parse_version(exact_s, VERSION_HEADER) if exact_s is not None else None
+    minimum = parse_version(min_s, MIN_VERSION_HEADER) if min_s is not None else None
+    wait = parse_wait(wait_s, max_wait) if wait_s is not None else 0.0
+    return VersionRequest(exact=exact, minimum=minimum, wait=wait)
+
+
+def satisfies(version: int | None, exact: int | None, minimum: int | None) -> bool:
+    """Whether serving `version` gives a request what it asked for."""
+    if version is None:
+        return False
+    if exact is not None:
+        return version == exact
+    if minimum is not None:
+        return version >= minimum
+    return True
+
+
+def error_body(type_: str, message: str, **fields: Any) -> dict:
+    return {"error": {"type": type_, "message": message, **fields}}
+
+
+def bad_request_body(message: str) -> dict:
+    return error_body(BAD_REQUEST_TYPE, message)
+
+
+def not_ready_body(*, run: str, serving: int | None, wanted: int | None, latest: int | None,
+                   reason: Reason, message: str | None = None) -> dict:
+    """The body of an HTTP 409: the engine cannot serve the version the request wants."""
+    if message is None:
+        message = describe(reason, serving=serving, wanted=wanted, latest=latest)
+    return error_body(NOT_READY_TYPE, message, serving=serving, wanted=wanted, latest=latest,
+                      run=run, reason=reason)
+
+
+def describe(reason: Reason, *, serving: int | None, wanted: int | None,
+             latest: int | None) -> str:
+    if reason == "not_ready":
+        return "this engine holds no verified policy version yet"
+    if reason == "behind":
+        return (f"this engine serves version {serving} (latest published {latest}); "
+                f"the request wants {wanted}")
+    if reason == "passed":
+        return (f"version {wanted} is no longer served here (serving {serving}); "
+                "engines never go back")
+    if reason in ("draining", "applying"):
+        return (f"version {wanted} is being replaced by a newer one on this engine; "
+                "retry with a newer version")
+    return (f"the serving version changed from {wanted} while the request was in flight; "
+            "its output was discarded")
+
+
+def stitch_field(run: str, version_start: int | None, version_end: int | None) -> dict:
+    """The ``"stitch"`` response field."""
+    return {"run": run, "version_start": version_start, "version_end": version_end}
+
+
+def response_headers(run: str, version_start: int | None,
+                     version_end: int | None) -> list[tuple[bytes, bytes]]:
+    """The Stitch response headers as ASGI (name, value) pairs."""
+    out = [(RUN_HEADER.lower().encode(), run.encode("latin-1", "replace"))]
+    if version_start is not None:
+        out.append((VERSION_START_HEADER.lower().encode(), str(version_start).encode()))
+    if version_end is not None:
+        out.append((VERSION_END_HEADER.lower().encode(), str(version_end).encode()))
+    return out
+
+
+def cache_salt(run: str, version: int | None, user: str | None = None) -> str:
+    """Prefix-cache salt isolating a request served from `version` of `run`.
+
+    A user's own salt is kept in front: ``"<user>|stitch:<run>:v<version>"``.
+    """
+    salt = f"{SALT_PREFIX}:{run}:v{version}"
+    return f"{user}|{salt}" if user else salt
+
+
+# Client side: pydantic models of what an engine answers.
+
+
+class StitchInfo(BaseModel):
+    """The ``"stitch"`` field of a completion answer."""
+
+    model_config = ConfigDict(extra="allow")
+    run: str
+    version_start: int | None
+    version_end: int | None
+
+    @property
+    def single_version(self) -> bool:
+        """Whether every token came from one version."""
+        return self.version_start is not None and self.version_start == self.version_end
+
+
+class NotReadyError(BaseModel):
+    """The ``"error"`` object of an HTTP 409 (or of an SSE error event) from a Stitch engine."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["stitch_version_not_ready"]
+    message: str
+    serving: int | None
+    wanted: int | None
+    latest: int | None
+    run: str
+    reason: str | None = None
+
+
+def parse_stitch(body: Mapping[str, Any]) -> StitchInfo | None:
+    """The ``"stitch"`` field of a JSON answer or SSE chunk, if present."""
+    field = body.get(RESPONSE_FIELD)
+    return StitchInfo.model_validate(field) if isinstance(field, Mapping) else None
+
+
+def parse_not_ready(body: Mapping[str, Any]) -> NotReadyError | None:
+    """The 409 error of a JSON answer or SSE error event, if it is one."""
+    err = body.get("error")
+    if isinstance(err, Mapping) and err.get("type") == NOT_READY_TYPE:
+        return NotReadyError.model_validate(err)
+    return None

@@ -1,0 +1,446 @@
+"""A board on NATS JetStream: objects in an object store bucket, `latest` in a KV bucket.
+
+URL: `nats://host:port/<bucket>` (or `tls://`; bucket defaults to "stitch"). Objects live in the
+JetStream object store `<bucket>` under their board key; each run's `latest` is the key `<run>` of
+the KV bucket `<bucket>_latest`. Both buckets are created on first use.
+
+Objects are stored in the standard object store layout (chunks on `$O.<bucket>.C.<nuid>`, metadata
+on `$O.<bucket>.M.<name>`), so `nats object get` and other clients can read them; but writes are
+create-only: the metadata is published with `Nats-Expected-Last-Subject-Sequence: 0`, so two
+writers racing on one key cannot replace each other's object. `put` returns only after JetStream
+acknowledged every chunk and the metadata, i.e. the object is stored (with file storage, on disk
+per the server's sync policy; replicated to a quorum on a clustered stream). `move_latest` is a
+KV compare-and-swap on the entry's revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import urllib.parse
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from stitch_core.versions.announce import connect
+from stitch_core.versions.board.base import Board, BoardError, LatestConflict, NotFound, check_key
+from stitch_core.versions.manifest import MANIFEST, Latest, check_run
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET = "stitch"
+CHUNK = 512 * 1024  # bytes per chunk message (fewer, larger messages: faster in Python)
+WINDOW = 32  # chunks in flight while uploading (16 MiB)
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+_WRONG_LAST_SEQ = (10071, 10164)
+_STREAM_IN_USE = 10058
+_DIGEST = "SHA-256="
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """`nats://host:port/bucket` -> (`nats://host:port`, `bucket`)."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("nats", "tls") or not u.netloc:
+        raise BoardError(f"not a NATS board URL: {url!r} (want nats://host:port/bucket)")
+    bucket = u.path.strip("/") or DEFAULT_BUCKET
+    if not _BUCKET_RE.match(bucket):
+        raise BoardError(f"invalid bucket {bucket!r} in {url!r} (letters, digits, '_', '-')")
+    return f"{u.scheme}://{u.netloc}", bucket
+
+
+def _digest_bytes(digest: str | None) -> bytes:
+    d = (digest or "").removeprefix(_DIGEST).removeprefix(_DIGEST.upper())
+    return base64.urlsafe_b64decode(d + "=" * (-len(d) % 4))
+
+
+def _sha256(src: bytes | Path) -> tuple[bytes, int]:
+    h = hashlib.sha256()
+    if isinstance(src, Path):
+        with open(src, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        return h.digest(), src.stat().st_size
+    h.update(src)
+    return h.digest(), len(src)
+
+
+class _Acks:
+    """Counts JetStream acks for pipelined publishes (replies on `<inbox>.<n>`)."""
+
+    def __init__(self) -> None:
+        self.acked = 0
+        self.error: Exception | None = None
+        self.changed = asyncio.Event()
+
+    async def on_reply(self, msg: Msg) -> None:
+        if msg.headers and msg.headers.get("Status") == "503":
+            self.error = BoardError("no JetStream stream answered (bucket deleted?)")
+        else:
+            try:
+                resp = json.loads(msg.data)
+                if "error" in resp:
+                    self.error = BoardError(f"JetStream refused a chunk: {resp['error']}")
+                else:
+                    self.acked += 1
+            except ValueError:
+                self.error = BoardError(f"bad JetStream ack {msg.data[:200]!r}")
+        self.changed.set()
+
+    async def wait(self, sent: int, upto: int, timeout: float) -> None:
+        """Wait until at most `upto` of `sent` publishes are unacknowledged."""
+        while self.error is None and sent - self.acked > upto:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout)
+            except TimeoutError:
+                raise BoardError(f"no JetStream ack within {timeout:g} s") from None
+        if self.error is not None:
+            raise self.error
+
+
+class NatsBoard(Board):
+    """Board on a NATS server. Connects lazily; `timeout` bounds each request (and the initial
+    connect), `stall_timeout` the wait for the next chunk while downloading."""
+
+    def __init__(self, url: str, *, timeout: float = 10.0, stall_timeout: float = 60.0):
+        self.server_url, self.bucket = split_url(url)
+        self.url = f"{self.server_url}/{self.bucket}"
+        self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._obj: ObjectStore | None = None
+        self._kv: KeyValue | None = None
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"NatsBoard({self.url!r})"
+
+    # -- connection ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except BoardError:
+            raise
+        except (TimeoutError, nats.errors.TimeoutError) as e:
+            raise BoardError(f"NATS board {self.url}: {what} timed out after {self.timeout:g} s "
+                             "(is the server up?)") from e
+        except (nats.errors.Error, OSError) as e:
+            raise BoardError(f"NATS board {self.url}: {what} failed: "
+                             f"{e or type(e).__name__}") from e
+
+    async def connection(self) -> NATS:
+        """The board's NATS connection (e.g. to publish announcements on the same one)."""
+        await self._ready()
+        assert self._nc is not None
+        return self._nc
+
+    async def _ready(self) -> JetStreamContext:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or reused under a new event loop (asyncio.run)
+            self._loop, self._lock = loop, asyncio.Lock()
+            self._nc = self._js = self._obj = self._kv = None
+        if self._js is not None:
+            return self._js
+        assert self._lock is not None
+        async with self._lock:
+            if self._js is None:
+                with self._errors("connect"):
+                    try:
+                        nc = await connect(self.server_url, name="stitch-board",
+                                           connect_timeout=self.timeout)
+                    except ConnectionError as e:
+                        raise BoardError(f"NATS board {self.url}: {e}") from e
+                    try:
+                        js = nc.jetstream(timeout=self.timeout)
+                        self._obj = await self._object_store(js)
+                        self._kv = await self._key_value(js)
+                    except BaseException:
+                        await nc.close()
+                        raise
+                    self._nc, self._js = nc, js
+        assert self._js is not None
+        return self._js
+
+    async def _object_store(self, js: JetStreamContext) -> ObjectStore:
+        try:
+            return await js.object_store(self.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            log.info("creating object store bucket %s on %s", self.bucket, self.server_url)
+            return await js.create_object_store(
+                self.bucket, storage=api.StorageType.FILE,
+                description="stitch board: immutable version objects")
+        except nats.js.errors.BadRequestError as e:  # created concurrently with another config
+            if e.err_code != _STREAM_IN_USE:
+                raise
+            return await js.object_store(self.bucket)
+
+    async def _key_value(self, js: JetStreamContext) -> KeyValue:
+        name = f"{self.bucket}_latest"
+        try:
+            return await js.key_value(name)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        try:
+            log.info("creating KV bucket %s on %s", name, self.server_url)
+            return await js.create_key_value(
+                bucket=name, history=16, storage=api.StorageType.FILE,
+                description="stitch board: latest version of each run")
+        except nats.js.errors.BadRequestError as e:
+            if e.err_code != _STREAM_IN_USE:
+                raise
+            return await js.key_value(name)
+
+    async def close(self) -> None:
+        nc, self._nc, self._js, self._obj, self._kv = self._nc, None, None, None, None
+        if nc is None or nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(nc.drain(), self.timeout)
+        except Exception:  # reconnecting, timed out, ...: just close
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    # -- objects ---------------------------------------------------------------------------------
+
+    @property
+    def _stream(self) -> str:
+        return f"OBJ_{self.bucket}"
+
+    def _meta_subject(self, key: str) -> str:
+        return f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
+
+    async def _info(self, key: str) -> api.ObjectInfo | None:
+        await self._ready()
+        assert self._obj is not None
+        try:
+            return await self._obj.get_info(key)
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def _read(self, key: str, sink: Callable[[bytes], Awaitable[None]]) -> None:
+        js = await self._ready()
+        info = await self._info(key)
+        if info is None:
+            raise NotFound(f"{key} not on board {self.url}")
+        if info.is_link():  # not written by us; let nats-py follow it
+            assert self._obj is not None
+            await sink((await self._obj.get(key)).data or b"")
+            return
+        size = info.size or 0
+        h, got = hashlib.sha256(), 0
+        if size:
+            sub = await js.subscribe(f"$O.{self.bucket}.C.{info.nuid}", stream=self._stream,
+                                     ordered_consumer=True)
+            try:
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=self.stall_timeout)
+                    except nats.errors.TimeoutError:
+                        raise BoardError(
+                            f"NATS board {self.url}: download of {key} stalled for "
+                            f"{self.stall_timeout:g} s at {got}/{size} bytes") from None
+                    h.update(msg.data)
+                    got += len(msg.data)
+                    await sink(msg.data)
+                    if msg.metadata.num_pending == 0 or got >= size:
+                        break
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        if got != size or h.digest() != _digest_bytes(info.digest):
+            raise BoardError(f"{key} on {self.url}: got {got} bytes with sha256 "
+                             f"{h.hexdigest()}, metadata says {size} bytes, {info.digest}")
+
+    async def get(self, key: str) -> bytes:
+        check_key(key)
+        parts: list[bytes] = []
+
+        async def sink(data: bytes) -> None:
+            parts.append(data)
+
+        with self._errors(f"get {key}"):
+            await self._read(key, sink)
+        return b"".join(parts)
+
+    async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
+        """Stream `key` into `dest.part` (chunk by chunk, digest checked), then rename."""
+        check_key(key)
+        dest = Path(dest)
+        tmp = dest.with_name(dest.name + ".part")
+        buf = bytearray()
+        f = await asyncio.to_thread(open, tmp, "wb")
+        try:
+            async def sink(data: bytes) -> None:
+                buf.extend(data)
+                if len(buf) >= 8 << 20:
+                    await asyncio.to_thread(f.write, bytes(buf))
+                    buf.clear()
+
+            with self._errors(f"get {key}"):
+                await self._read(key, sink)
+            await asyncio.to_thread(f.write, bytes(buf))
+        except BaseException:
+            f.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        f.close()
+        tmp.replace(dest)
+
+    async def exists(self, key: str) -> bool:
+        check_key(key)
+        with self._errors(f"exists {key}"):
+            return await self._info(key) is not None
+
+    async def put(self, key: str, src: bytes | Path) -> None:
+        check_key(key)
+        with self._errors(f"put {key}"):
+            info = await self._info(key)
+            if info is None:
+                if await self._upload(key, src):
+                    return
+                info = await self._info(key)  # lost a race to another writer: compare
+                assert info is not None
+            digest, size = await asyncio.to_thread(_sha256, src)
+            if info.size != size or _digest_bytes(info.digest) != digest:
+                raise BoardError(f"{key} already exists with other content "
+                                 "(versions are immutable)")
+
+    async def _upload(self, key: str, src: bytes | Path) -> bool:
+        """Write a new object; False (and nothing written) if `key` appeared meanwhile."""
+        js = await self._ready()
+        nc = self._nc
+        assert nc is not None
+        nuid = uuid.uuid4().hex
+        chunk_subject = f"$O.{self.bucket}.C.{nuid}"
+        inbox = nc.new_inbox()
+        acks = _Acks()
+        sub = await nc.subscribe(f"{inbox}.*", cb=acks.on_reply)
+        chunk = min(CHUNK, nc.max_payload)
+        h, size, sent = hashlib.sha256(), 0, 0
+        f = await asyncio.to_thread(open, src, "rb") if isinstance(src, Path) else None
+        try:
+            view = memoryview(src) if isinstance(src, bytes) else None
+            while True:
+                if f is not None:
+                    data = await asyncio.to_thread(f.read, chunk)
+                else:
+                    assert view is not None
+                    data = bytes(view[size:size + chunk])
+                if not data:
+                    break
+                h.update(data)
+                await nc.publish(chunk_subject, data, reply=f"{inbox}.{sent}")
+                sent += 1
+                size += len(data)
+                await acks.wait(sent, WINDOW, self.timeout)
+            await acks.wait(sent, 0, self.timeout)
+            info = api.ObjectInfo(
+                name=key, bucket=self.bucket, nuid=nuid, size=size, chunks=sent,
+                mtime=datetime.now(UTC).isoformat(),
+                digest=_DIGEST + base64.urlsafe_b64encode(h.digest()).decode(),
+                options=api.ObjectMetaOptions(max_chunk_size=chunk))
+            headers = {api.Header.ROLLUP: "sub", api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"}
+            try:
+                await js.publish(self._meta_subject(key), json.dumps(info.as_dict()).encode(),
+                                 headers=headers)
+            except nats.js.errors.APIError as e:
+                if e.err_code not in _WRONG_LAST_SEQ:
+                    raise
+                await self._purge(chunk_subject)
+                return False
+        except BaseException:
+            await self._purge(chunk_subject)
+            raise
+        finally:
+            if f is not None:
+                f.close()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        log.debug("put %s: %d bytes in %d chunks", key, size, sent)
+        return True
+
+    async def _purge(self, chunk_subject: str) -> None:
+        js = self._js
+        if js is None:
+            return
+        try:
+            await asyncio.wait_for(js.purge_stream(self._stream, subject=chunk_subject),
+                                   self.timeout)
+        except Exception as e:
+            log.warning("could not purge orphaned chunks %s: %s", chunk_subject, e)
+
+    async def list_versions(self, run: str) -> list[int]:
+        """Versions of `run` with a manifest object (from the bucket's metadata subjects)."""
+        check_run(run)
+        pat = re.compile(rf"^{re.escape(run)}/versions/(\d+)/{re.escape(MANIFEST)}$")
+        with self._errors(f"list versions of {run}"):
+            js = await self._ready()
+            si = await js.stream_info(self._stream, subjects_filter=f"$O.{self.bucket}.M.>")
+        found = set()
+        for subject in si.state.subjects or {}:
+            token = subject.rsplit(".", 1)[-1]
+            try:
+                name = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+            except ValueError:
+                continue
+            if m := pat.match(name):
+                found.add(int(m.group(1)))
+        return sorted(found)
+
+    # -- latest ----------------------------------------------------------------------------------
+
+    async def _latest_entry(self, run: str) -> tuple[Latest | None, int]:
+        await self._ready()
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(check_run(run))
+        except nats.js.errors.KeyNotFoundError:
+            return None, 0
+        try:
+            return Latest.model_validate_json(entry.value or b""), entry.revision or 0
+        except ValueError as e:
+            raise BoardError(f"latest of {run} on {self.url} is malformed: {e}") from e
+
+    async def read_latest(self, run: str) -> Latest | None:
+        with self._errors(f"read latest of {run}"):
+            return (await self._latest_entry(run))[0]
+
+    async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
+        with self._errors(f"move latest of {run}"):
+            cur, revision = await self._latest_entry(run)
+            cur_v = cur.version if cur else None
+            if cur_v != expected:
+                raise LatestConflict(f"latest of {run} is {cur_v}, expected {expected}")
+            if cur_v is not None and new.version <= cur_v:
+                raise LatestConflict(f"latest of {run} would move back from {cur_v} to "
+                                     f"{new.version}")
+            assert self._kv is not None
+            data = new.model_dump_json().encode()
+            try:
+                if revision:
+                    await self._kv.update(run, data, last=revision)
+                else:
+                    await self._kv.create(run, data)
+            except nats.js.errors.KeyWrongLastSequenceError as e:
+                raise LatestConflict(f"latest of {run} moved concurrently (expected "
+                                     f"{expected})") from e

@@ -1,0 +1,176 @@
+"""A small read-only HTTP server for a board directory (`stitch board serve DIR`).
+
+Serves GET and HEAD for board keys only (no listings, no dot files, nothing outside the root),
+single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers can resume downloads, and
+cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/` are
+immutable. Bodies go out with sendfile in chunks, never read whole into memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from email.utils import formatdate
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from stitch_core.versions.board.base import KEY_RE
+
+IMMUTABLE = "public, max-age=31536000, immutable"
+RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+CHUNK = 1 << 20
+
+
+class BoardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], handler: type[BoardHandler], root: Path,
+                 verbose: bool = False):
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        self.root = root
+        self.verbose = verbose
+        super().__init__(addr, handler)
+
+    def handle_error(self, request, client_address) -> None:
+        if self.verbose:
+            super().handle_error(request, client_address)
+
+
+def _key_of(raw_path: str) -> str | None:
+    """The board key a request path names, or None if it is not a plain safe key."""
+    path = unquote(urlsplit(raw_path).path)
+    key = path.removeprefix("/")
+    if "\x00" in key or not KEY_RE.match(key) or ".." in key.split("/"):
+        return None
+    return key
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | None | bool:
+    """(start, end) inclusive for one satisfiable range; None: ignore it; False: unsatisfiable."""
+    m = RANGE_RE.match(header.strip())
+    if not m or (not m[1] and not m[2]):
+        return None  # malformed or multi-range: serve the whole file (RFC 9110 allows this)
+    if not m[1]:  # suffix: the last n bytes
+        n = int(m[2])
+        return (max(size - n, 0), size - 1) if n and size else False
+    start = int(m[1])
+    end = min(int(m[2]), size - 1) if m[2] else size - 1
+    if m[2] and int(m[2]) < start:
+        return None
+    return (start, end) if start < size else False
+
+
+def cache_control(key: str) -> str:
+    """`latest` must be revalidated every time; published version objects never change."""
+    parts = key.split("/")
+    if parts[-1] != "latest" and "versions" in parts[:-1]:
+        return IMMUTABLE
+    return "no-cache"
+
+
+def _content_type(key: str) -> str:
+    name = key.rsplit("/", 1)[-1]
+    return "application/json" if name.endswith(".json") or name == "latest" \
+        else "application/octet-stream"
+
+
+class BoardHandler(BaseHTTPRequestHandler):
+    server: BoardServer
+    server_version = "stitch-board"
+    protocol_version = "HTTP/1.1"
+    timeout = 120  # idle keep-alive connections
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def _resolve(self) -> tuple[str, Path] | None:
+        key = _key_of(self.path)
+        if key is None:
+            return None
+        root = self.server.root
+        path = (root / key).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            return None
+        return key, path
+
+    def _status(self, code: int, headers: dict[str, str] | None = None) -> None:
+        body = f"{code} {HTTPStatus(code).phrase}\n".encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-cache")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _serve(self, body: bool) -> None:
+        found = self._resolve()
+        if found is None:
+            return self._status(404)
+        key, path = found
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError:
+            return self._status(404)
+        with f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+            start, end, code = 0, size - 1, 200
+            rng = self.headers.get("Range")
+            if rng and self.headers.get("If-Range", etag) == etag:
+                r = parse_range(rng, size)
+                if r is False:
+                    return self._status(416, {"Content-Range": f"bytes */{size}"})
+                if r is not None:
+                    (start, end), code = r, 206
+            length = end - start + 1
+            self.send_response(code)
+            self.send_header("Content-Type", _content_type(key))
+            self.send_header("Content-Length", str(length))
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("ETag", etag)
+            self.send_header("Last-Modified", formatdate(st.st_mtime, usegmt=True))
+            self.send_header("Cache-Control", cache_control(key))
+            if code == 206:
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.end_headers()
+            if body and length > 0:
+                self.connection.sendfile(f, offset=start, count=length)
+
+    def log_message(self, format: str, *args) -> None:
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+
+def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
+          verbose: bool = False, handler: type[BoardHandler] = BoardHandler) -> BoardServer:
+    """A bound server for the board directory `root`; the caller runs `serve_forever()`."""
+    root = Path(root).expanduser().resolve()
+    if not root.is_dir():
+        raise NotADirectoryError(f"board directory {root} does not exist")
+    return BoardServer((host, port), handler, root, verbose)
+
+
+def run_server(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
+               verbose: bool = False) -> None:
+    """Serve `root` until interrupted, printing the board URL."""
+    server = serve(root, host, port, verbose=verbose)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving board {server.root} at http://{shown}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

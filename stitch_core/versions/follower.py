@@ -1,0 +1,275 @@
+"""Follower: keeps a replica at the newest version of a run, engine-agnostic.
+
+It learns about versions from NATS announcements (a wake-up, never required) and from `latest` on
+the board, polled every `reconcile_interval` seconds, so a lost message delays nothing beyond that
+timer. It plans the cheapest path (a chain of patches, or the nearest snapshot), fetches each object
+once into a node-local cache, verifies sizes and SHA-256, and hands steps *in order* to an `apply`
+callback. The callback owns atomicity (an engine keeps serving its last good version when it
+raises). State is reported honestly: `not_ready` until a version is held, `catching_up` while
+behind, `applying` during a step, `serving` when current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.patch import apply as apply_patch
+from stitch_core.format.stp import PatchReader
+from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
+from stitch_core.versions.state import engine_state, lag
+from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan
+
+log = logging.getLogger("stitch.follower")
+ApplyFn = Callable[[Step, Path], Awaitable[None]]
+
+
+class Follower:
+    def __init__(self, board: str | Board, run: str, apply: ApplyFn, *,
+                 version: int | None = None, nats: str | None = None,
+                 cache_dir: str | os.PathLike | None = None, reconcile_interval: float = 5.0,
+                 heartbeat_interval: float = 2.0, engine_id: str | None = None,
+                 url: str | None = None, region: str | None = None, max_chain: int = 64,
+                 on_latest: Callable[[int], None] | None = None):
+        self.run = check_run(run)
+        self.board = open_board(board) if isinstance(board, str) else board
+        self._apply = apply
+        self.version = version
+        self.latest: int | None = version
+        self.nats_url = nats
+        self.cache = Path(cache_dir or Path(tempfile.gettempdir()) / "stitch-cache")
+        self.reconcile_interval = reconcile_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.url, self.region, self.max_chain = url, region, max_chain
+        self.on_latest = on_latest  # told every time a newer published version is seen
+        self.applying = False
+        self.last_error: str | None = None
+        self.last_apply_seconds: float | None = None
+        self.patch_bytes_total = 0
+        self.applied: list[int] = []  # versions in the order they were reached
+        self.history: list[dict] = []  # per step: version, kind, fetch_s, apply_s, times
+        self._announced_at: dict[int, float] = {}
+        self._wake = asyncio.Event()
+        self._beat = asyncio.Event()  # set on every state change: heartbeat now
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._nc = self._js = self._sub = None
+        self._lock = asyncio.Lock()
+
+    # -------------------------------------------------------------- state
+
+    @property
+    def state(self) -> str:
+        return engine_state(self.applying, self.version, self.latest)
+
+    @property
+    def lag(self) -> int | None:
+        return lag(self.version, self.latest)
+
+    def status(self) -> dict:
+        return {"id": self.id, "run": self.run, "version": self.version, "latest": self.latest,
+                "state": self.state, "lag": self.lag, "last_error": self.last_error,
+                "last_apply_seconds": self.last_apply_seconds,
+                "patch_bytes_total": self.patch_bytes_total}
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self.nats_url:
+            from stitch_core.versions.announce import connect, ensure_streams, subscribe_versions
+
+            self._nc = await connect(self.nats_url, name=f"stitch-follower-{self.id}")
+            self._js = self._nc.jetstream()
+            await ensure_streams(self._js, self.run)
+            self._sub = await subscribe_versions(self._js, self.run, self._on_announcement)
+            self._tasks.append(asyncio.create_task(self._heartbeats()))
+        self._tasks.append(asyncio.create_task(self._loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+        await self.board.close()
+
+    async def __aenter__(self) -> Follower:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def _on_announcement(self, ann: Announcement) -> None:
+        if ann.run != self.run:
+            return
+        self._announced_at.setdefault(ann.version, time.perf_counter())
+        self._saw(ann.version)
+        self._wake.set()
+
+    def _saw(self, version: int) -> None:
+        if self.latest is None or version > self.latest:
+            self.latest = version
+            if self.on_latest is not None:
+                self.on_latest(version)
+
+    async def _loop(self) -> None:
+        woken = False
+        while True:
+            try:
+                if woken and self.latest is not None and (
+                        self.version is None or self.latest > self.version):
+                    await self.catch_up(self.latest)  # announced: no need to read `latest`
+                else:
+                    await self.sync()  # timer tick (or a wake with nothing new): reconcile
+            except Exception as e:  # keep following; the next tick retries
+                if not (self.last_error or "").endswith(str(e)):  # keep "vN rejected: ..."
+                    self.last_error = str(e)
+                log.warning("follower %s: %s", self.id, e)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.reconcile_interval)
+                woken = True
+            except TimeoutError:
+                woken = False
+
+    async def _heartbeats(self) -> None:
+        from stitch_core.versions.announce import publish_heartbeat
+
+        while True:
+            with contextlib.suppress(Exception):
+                await publish_heartbeat(self._js, Heartbeat(
+                    id=self.id, run=self.run, url=self.url, version=self.version,
+                    latest=self.latest, state=self.state, lag=self.lag, region=self.region,
+                    time=time.time()))
+            self._beat.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat.wait(), self.heartbeat_interval)
+
+    # -------------------------------------------------------------- catching up
+
+    async def sync(self) -> int | None:
+        """Reconcile once: read `latest`, catch up to it. Returns the version now held."""
+        latest = await self.board.read_latest(self.run)
+        if latest is not None:
+            self._saw(latest.version)
+        if self.latest is not None and (self.version is None or self.latest > self.version):
+            await self.catch_up(self.latest)
+        return self.version
+
+    async def catch_up(self, target: int) -> None:
+        self._saw(target)
+        async with self._lock:
+            if self.version is not None and self.version >= target:
+                return
+            steps = await plan(self.board, self.run, self.version, target, self.max_chain)
+            for step in steps:
+                t_fetch = time.perf_counter()
+                path = await self._fetch(step)
+                self.applying = True
+                self._beat.set()
+                t0 = time.perf_counter()
+                try:
+                    await self._apply(step, path)
+                except Exception as e:
+                    self.last_error = f"v{step.version} rejected: {e}"
+                    log.error("follower %s: %s; still at v%s", self.id, self.last_error,
+                              self.version)
+                    if step.kind == "patch":
+                        for p in step.paths or [path]:
+                            p.unlink(missing_ok=True)  # refetch next time
+                    raise
+                finally:
+                    self.applying = False
+                t1 = time.perf_counter()
+                self.last_apply_seconds = t1 - t0
+                self.history.append({
+                    "version": step.version, "kind": step.kind, "fetch_s": t0 - t_fetch,
+                    "apply_s": t1 - t0, "announced_at": self._announced_at.pop(step.version, None),
+                    "current_at": t1})
+                self.patch_bytes_total += step.manifest.patch_bytes if step.kind == "patch" else 0
+                self.version = step.version
+                self.applied.append(step.version)
+                self.last_error = None
+                self._beat.set()
+                async with self._changed:
+                    self._changed.notify_all()
+                log.info("follower %s: now at %s v%d (%s)", self.id, self.run, step.version,
+                         step.kind)
+
+    async def _fetch(self, step: Step) -> Path:
+        m = step.manifest
+        if step.kind == "patch":
+            step.paths = await fetch_patch(self.board, m, self.cache)
+            return step.paths[0]
+        paths = [await fetch_object(self.board, m, ref, self.cache)
+                 for ref in m.objects if ref.role != "patch"]
+        return paths[0].parent
+
+    async def wait_for(self, version: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until the held version is >= `version` (waking the loop)."""
+        if self.version is not None and self.version >= version:
+            return True
+        self._wake.set()
+        async with self._changed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: self.version is not None and self.version >= version), timeout)
+        return self.version is not None and self.version >= version
+
+
+class MemoryReplica:
+    """An `apply` target holding a version's tensors in memory, verified at every step.
+
+    Snapshots are loaded and every tensor's fingerprint checked against the manifest; patches are
+    applied in place with undo on failure, using tracked fingerprints (cost ∝ patch size).
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.fingerprints: dict[str, int] = {}
+        self.digest: str | None = None
+
+    async def __call__(self, step: Step, path: Path) -> None:
+        await asyncio.to_thread(self._apply, step.manifest, step.kind, path, step.paths)
+
+    def _apply(self, m: Manifest, kind: str, path: Path, parts: list[Path] | None = None) -> None:
+        want = m.fingerprints
+        if kind == "snapshot":
+            tensors: dict[str, torch.Tensor] = {}
+            for f in sorted(path.glob("*.safetensors")):
+                tensors.update(load_file(f))
+            fps = fpr.state_fingerprints(tensors)
+            if fps != want:
+                raise ValueError(f"v{m.version}: snapshot fingerprints do not match the manifest")
+            self.tensors, self.fingerprints, self.digest = tensors, fps, m.digest
+            return
+        with PatchReader(path) as r:
+            h = r.header
+            fps = {t.name: fpr.parse(t.target_fp) for t in h.tensors if t.target_fp}
+        if h.run != m.run or h.target_version != m.version or fps != want:
+            raise ValueError(f"patch file does not produce {m.run} v{m.version} of the manifest")
+        # in place, undone on any error; every tensor's result is verified against `fps`
+        apply_patch(self.tensors, list(parts or [path]), base_fingerprints=self.fingerprints,
+                    inplace=True)
+        self.fingerprints, self.digest = fps, m.digest

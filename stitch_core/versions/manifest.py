@@ -1,0 +1,178 @@
+"""Version manifests: what a published version is, as pydantic models (no I/O here).
+
+A version lives on a board under `<run>/versions/<version:06d>/`: `manifest.json` plus the objects
+it lists. `kind` says how to build it: `snapshot` (full HF safetensors files, loadable by an engine
+as is) or `patch` (a `.stp` from `parent`). A snapshot may also carry the patch from its parent, so
+a follower one version behind never downloads the full weights.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")  # safe as a path and a NATS token
+OBJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,254}$")  # one file name, no traversal
+MANIFEST = "manifest.json"
+# a pulled directory's copy of its version's manifest, next to the weights (`stitch pull` writes
+# it, engines started from the directory read it)
+PULLED_MANIFEST = "stitch-manifest.json"
+
+
+def check_run(run: str) -> str:
+    if not RUN_RE.match(run):
+        raise ValueError(f"invalid run name {run!r} (letters, digits, '_' and '-', at most 128)")
+    return run
+
+
+def version_dir(run: str, version: int) -> str:
+    return f"{check_run(run)}/versions/{version:06d}"
+
+
+def manifest_key(run: str, version: int) -> str:
+    return f"{version_dir(run, version)}/{MANIFEST}"
+
+
+def latest_key(run: str) -> str:
+    return f"{check_run(run)}/latest"
+
+
+class ObjectRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str  # file name inside the version directory
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    role: Literal["patch", "weights", "side"]
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not OBJECT_RE.match(v) or ".." in v:
+            raise ValueError(f"unsafe object path {v!r}")
+        return v
+
+
+class TensorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=1024)
+    dtype: str
+    shape: list[int]
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["stitch-manifest"] = "stitch-manifest"
+    format_version: Literal[1] = 1
+    run: str
+    version: int = Field(ge=0)
+    parent: int | None = None
+    kind: Literal["patch", "snapshot"]
+    view: str
+    step: int | None = None
+    created: str
+    producer: str
+    digest: str  # fingerprint digest of the whole version (see docs/format.md section 5)
+    tensors: list[TensorInfo]
+    objects: list[ObjectRef]
+    changed_elements: int | None = None  # vs parent, when a patch was made
+    total_elements: int = Field(ge=0)
+    metadata: dict[str, str] = {}
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        return check_run(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if self.parent is not None and not 0 <= self.parent < self.version:
+            raise ValueError("parent must be an earlier version")
+        if self.kind == "patch" and (self.parent is None or self.patch is None):
+            raise ValueError("a patch version needs a parent and a patch object")
+        if self.kind == "snapshot" and not self.weights:
+            raise ValueError("a snapshot needs weight objects")
+        paths = [o.path for o in self.objects]
+        if len(set(paths)) != len(paths):
+            raise ValueError("duplicate object paths")
+        if self.patch is not None and self.parent is None:
+            raise ValueError("a patch object needs a parent")
+        return self
+
+    @property
+    def patch(self) -> ObjectRef | None:
+        return next(iter(self.patches), None)
+
+    @property
+    def patches(self) -> list[ObjectRef]:
+        """The patch from the parent: one object, or one part per sharded producer."""
+        return sorted((o for o in self.objects if o.role == "patch"), key=lambda o: o.path)
+
+    @property
+    def weights(self) -> list[ObjectRef]:
+        return [o for o in self.objects if o.role == "weights"]
+
+    @property
+    def side_files(self) -> list[ObjectRef]:
+        return [o for o in self.objects if o.role == "side"]
+
+    @property
+    def fingerprints(self) -> dict[str, int]:
+        return {t.name: int(t.fingerprint, 16) for t in self.tensors}
+
+    @property
+    def patch_bytes(self) -> int:
+        return sum(o.size for o in self.patches)
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(o.size for o in self.weights)
+
+
+class Latest(BaseModel):
+    """Content of `<run>/latest`: the newest complete version. Only ever moves forward."""
+
+    model_config = ConfigDict(extra="forbid")
+    run: str
+    version: int = Field(ge=0)
+    kind: Literal["patch", "snapshot"]
+    updated: str
+
+
+class Announcement(BaseModel):
+    """Published on `stitch.<run>.versions` for each new version."""
+
+    model_config = ConfigDict(extra="ignore")
+    run: str
+    version: int
+    parent: int | None
+    kind: Literal["patch", "snapshot"]
+    board: str  # board URL
+    manifest: str  # key of the manifest on the board
+    patch_bytes: int = 0
+    digest: str = ""
+    created: str = ""
+
+
+def announcement(m: Manifest, board_url: str) -> Announcement:
+    """The announcement of a published version."""
+    return Announcement(run=m.run, version=m.version, parent=m.parent, kind=m.kind,
+                        board=board_url, manifest=manifest_key(m.run, m.version),
+                        patch_bytes=m.patch_bytes, digest=m.digest, created=m.created)
+
+
+class Heartbeat(BaseModel):
+    """Published by followers on `stitch.<run>.engines.<id>`."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    run: str
+    url: str | None = None
+    version: int | None
+    latest: int | None = None
+    state: Literal["serving", "applying", "catching_up", "not_ready"]
+    lag: int | None = None
+    region: str | None = None
+    time: float

@@ -1,0 +1,202 @@
+"""Materialise versions as HF directories: a base checkpoint + a chain of patches, shard by shard.
+
+Memory stays bounded by one shard: each shard of the base is loaded, every patch of the chain is
+applied to its tensors in order (each verified by fingerprint), and the shard is written. Tensors a
+patch adds go to the last shard; removed ones disappear from the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import (
+    Checkpoint,
+    copy_side_files,
+    open_checkpoint,
+    save_shard,
+    write_index,
+)
+from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, check_digests, row
+from stitch_core.format.stp import PatchReader
+from stitch_core.versions.board.base import Board
+from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+from stitch_core.versions.store import VersionError, fetch_object, fetch_patch, plan
+
+
+def check_chain(base: Checkpoint, readers: list[PatchReader]) -> None:
+    names = set(base.names())
+    version = base.version
+    for r in readers:
+        check_compatible(r.header, names, base_version=version)
+        names = {t.name for t in r.header.tensors if t.kind != "removed"}
+        version = r.header.target_version
+
+
+def apply_patches(base: Checkpoint, readers: list[PatchReader], dest: Path,
+                  progress: Callable[[int], None] | None = None,
+                  metadata: dict[str, str] | None = None) -> dict[str, str]:
+    """Write base + patches into `dest` (a directory if base is one, else a file)."""
+    check_chain(base, readers)
+    shards = base.shards
+    last = list(shards)[-1]
+    meta = dict(base.metadata)
+    if readers:
+        h = readers[-1].header
+        if h.run is not None:
+            meta["stitch.run"] = h.run
+        if h.target_version is not None:
+            meta["stitch.version"] = str(h.target_version)
+        else:
+            meta.pop("stitch.version", None)
+    meta.update(metadata or {})
+    where: dict[str, str] = {}
+    total = 0
+    rows: list[tuple[list, list]] = [([], []) for _ in readers]  # (base, target) per patch
+    for shard, names in shards.items():
+        tensors = base.load_shard(shard)
+        tensors = {n: tensors[n] for n in names}
+        for r, (base_rows, target_rows) in zip(readers, rows, strict=True):
+            entries = {t.name: t for t in r.header.tensors}
+            todo = list(tensors.items())
+            if shard == last:  # tensors this patch adds land in the last shard
+                todo += [(t.name, None) for t in r.header.tensors
+                         if t.kind == "full" and t.base_fp is None and t.name not in tensors]
+            nxt = {}
+            for name, t in todo:
+                e = entries[name]
+                out = apply_entry(r, e, t)
+                if t is not None and e.base_fp is not None:
+                    base_rows.append(row(name, t, fpr.parse(e.base_fp)))
+                if out is not None:
+                    nxt[name] = out
+                    target_rows.append(row(name, out, fpr.parse(e.target_fp)))
+            tensors = nxt
+        for name, t in tensors.items():
+            where[name] = shard
+            total += t.numel() * dtypes.info(t.dtype).itemsize
+        save_shard(tensors, dest / shard if base.is_dir else dest, meta)
+        if progress:
+            progress(1)
+    for r, (base_rows, target_rows) in zip(readers, rows, strict=True):
+        check_digests(r.header, base_rows, target_rows)
+    if base.is_dir:
+        copy_side_files(base.path, dest)
+        if (base.path / "model.safetensors.index.json").exists() or len(shards) > 1:
+            write_index(dest, where, total)
+    return where
+
+
+def default_cache_dir() -> Path:
+    """Where fetched objects are cached when no directory is given."""
+    return Path(tempfile.gettempdir()) / "stitch-cache"
+
+
+def tmp_sibling(out: Path) -> Path:
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists():
+        p.unlink()
+
+
+def replace(tmp: Path, out: Path, force: bool) -> None:
+    if out.exists():
+        if not force:
+            raise FileExistsError(f"{out} exists (use --force to replace it)")
+        remove(out)
+    os.replace(tmp, out)
+
+
+def _open_patch(parts: list[Path]) -> PatchReader | PatchSet:
+    readers = [PatchReader(p) for p in parts]
+    if len(readers) == 1 and readers[0].header.part is None:
+        return readers[0]
+    return PatchSet(readers)
+
+
+async def pull(
+    board: Board,
+    run: str,
+    version: int | None,
+    out: Path,
+    cache: Path,
+    *,
+    force: bool = False,
+    quiet: bool = False,
+) -> Manifest:
+    """Materialise `version` (None: latest) of `run` as an HF directory at `out`."""
+    if version is None:
+        latest = await board.read_latest(run)
+        if latest is None:
+            raise VersionError(f"run {run!r} has no versions on {board.url}")
+        version = latest.version
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists (use --force to replace it)")
+    steps = await plan(board, run, None, version)
+    snap, patches = steps[0], steps[1:]
+    files = [r for r in snap.manifest.objects if r.role != "patch"]
+    total = sum(r.size for r in files) + sum(s.manifest.patch_bytes for s in patches)
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="fetch",
+        disable=quiet or None,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
+        for ref in files:
+            p = await fetch_object(board, snap.manifest, ref, cache)
+            bar.update(ref.size)
+        snap_dir = p.parent
+        paths = []
+        for s in patches:
+            paths.append(await fetch_patch(board, s.manifest, cache))
+            bar.update(s.manifest.patch_bytes)
+    target = steps[-1].manifest
+    base = open_checkpoint(snap_dir)
+    if not base.is_dir:
+        raise VersionError("snapshot is not a directory")
+    tmp = tmp_sibling(out)
+    readers = [_open_patch(p) for p in paths]
+    try:
+        tmp.mkdir(parents=True)
+        if not readers:
+            got = {n: fpr.fingerprint(n, base.load(n)) for n in base.names()}
+        else:
+            got = {
+                t.name: fpr.parse(t.target_fp) for t in readers[-1].header.tensors if t.target_fp
+            }
+        if got != target.fingerprints:
+            raise VersionError(f"{run} v{version}: fingerprints do not match the manifest")
+        with tqdm(
+            total=len(base.shards),
+            unit="shard",
+            desc="apply",
+            disable=quiet or None,
+            file=sys.stderr,
+            leave=False,
+        ) as bar:
+            await asyncio.to_thread(apply_patches, base, readers, tmp, bar.update)
+        (tmp / PULLED_MANIFEST).write_text(target.model_dump_json(indent=1))
+        replace(tmp, out, force)
+    except BaseException:
+        remove(tmp)
+        raise
+    finally:
+        for r in readers:
+            r.close()
+    return target

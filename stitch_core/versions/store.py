@@ -1,0 +1,172 @@
+"""Versions on a board: write one (objects, then manifest, then `latest`), read and verify one,
+and plan how a holder of version `have` reaches version `target`."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from stitch_core.versions.board.base import Board, BoardError, NotFound
+from stitch_core.versions.manifest import Latest, Manifest, ObjectRef, manifest_key, version_dir
+
+log = logging.getLogger(__name__)
+
+
+class VersionError(BoardError):
+    """A version on the board is malformed, foreign, or its objects do not match the manifest."""
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
+def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
+    return ObjectRef(path=name or path.name, size=path.stat().st_size, sha256=sha256_file(path),
+                     role=role)
+
+
+async def write_version(board: Board, manifest: Manifest, files: dict[str, Path],
+                        expected_latest: int | None) -> None:
+    """Upload objects, then the manifest, then CAS `latest` (objects durable before it moves)."""
+    vdir = version_dir(manifest.run, manifest.version)
+    for ref in manifest.objects:
+        await board.put(f"{vdir}/{ref.path}", files[ref.path])
+    await board.put(manifest_key(manifest.run, manifest.version),
+                    manifest.model_dump_json(indent=1).encode())
+    await board.move_latest(manifest.run, expected_latest,
+                            Latest(run=manifest.run, version=manifest.version, kind=manifest.kind,
+                                   updated=now()))
+
+
+async def read_manifest(board: Board, run: str, version: int) -> Manifest:
+    raw = await board.get(manifest_key(run, version))
+    try:
+        m = Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        first = " ".join(str(e).splitlines()[:3])
+        raise VersionError(f"malformed manifest for {run} v{version}: {first}") from None
+    if m.run != run or m.version != version:
+        raise VersionError(f"manifest at {run} v{version} describes {m.run} v{m.version} "
+                           "(foreign or misplaced)")
+    return m
+
+
+async def fetch_patch(board: Board, m: Manifest, cache: Path) -> list[Path]:
+    """All parts of a version's patch, fetched and verified."""
+    return [await fetch_object(board, m, ref, cache) for ref in m.patches]
+
+
+async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -> Path:
+    """Download one object into the node-local cache once; verify size and SHA-256."""
+    dest = cache / m.run / f"{m.version:06d}" / ref.path
+    if dest.is_file() and dest.stat().st_size == ref.size and \
+            await asyncio.to_thread(sha256_file, dest) == ref.sha256:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    await board.get_file(f"{version_dir(m.run, m.version)}/{ref.path}", dest, size=ref.size)
+    size = dest.stat().st_size
+    digest = await asyncio.to_thread(sha256_file, dest)
+    if size != ref.size or digest != ref.sha256:
+        dest.unlink(missing_ok=True)
+        raise VersionError(f"{m.run} v{m.version}/{ref.path}: checksum mismatch "
+                           f"({size} bytes, sha256 {digest[:12]}…; manifest says {ref.size}, "
+                           f"{ref.sha256[:12]}…)")
+    return dest
+
+
+@dataclass
+class Step:
+    """One move of a follower: load a snapshot, or apply a patch on top of `manifest.parent`."""
+
+    kind: str  # "snapshot" | "patch"
+    manifest: Manifest
+    paths: list[Path] | None = None  # local files of the patch (parts), once fetched
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+async def plan(board: Board, run: str, have: int | None, target: int,
+               max_chain: int = 64, *, fallback_ok: bool = True) -> list[Step]:
+    """Cheapest known path from `have` (None: nothing) to `target`.
+
+    Walk parents back from target; every version with a patch object is a patch step. Stop at
+    `have` (a chain), or at a snapshot when the chain would be longer than max_chain, broken
+    (missing or malformed manifest), or there is nothing held. Raises VersionError if no path.
+    """
+    steps: list[Step] = []
+    v: int | None = target
+    fallback: list[Step] | None = None
+    reason = "the chain of parents does not reach it"
+    while v is not None and (have is None or v > have):
+        try:
+            m = await read_manifest(board, run, v)
+        except (NotFound, VersionError) as e:
+            log.warning("version %s of %s unusable (%s); looking for a snapshot", v, run, e)
+            reason = str(e)
+            break
+        if m.kind == "snapshot":
+            fallback = [Step("snapshot", m), *reversed(steps)]
+            if have is None or m.patch is None or len(steps) >= max_chain:
+                return fallback
+        if m.patch is None:
+            break
+        steps.append(Step("patch", m))
+        v = m.parent
+    else:
+        if v is not None and v == have:
+            return list(reversed(steps))
+    if fallback is not None:
+        return fallback
+    if not fallback_ok:
+        raise VersionError(f"no path from {run} v{have} to v{target}: {reason}")
+    # chain broken or not reaching `have`: scan back for the nearest usable snapshot
+    return await _from_snapshot(board, run, target)
+
+
+async def _from_snapshot(board: Board, run: str, target: int) -> list[Step]:
+    versions = await board.list_versions(run)
+    candidates = sorted((x for x in versions if x <= target), reverse=True) if versions else \
+        range(target, -1, -1)
+    for s in candidates:
+        try:
+            m = await read_manifest(board, run, s)
+        except (NotFound, VersionError):
+            continue
+        if m.kind != "snapshot":
+            continue
+        rest = await plan(board, run, s, target, fallback_ok=False) if s < target else []
+        return [Step("snapshot", m), *rest]
+    raise VersionError(f"no path to {run} v{target}: no usable snapshot at or before it")
+
+
+async def list_manifests(board: Board, run: str) -> list[Manifest]:
+    """Every manifest of `run`, oldest first (boards that cannot list: walked back from latest)."""
+    versions = await board.list_versions(run)
+    out: list[Manifest] = []
+    if versions is not None:
+        for v in versions:
+            out.append(await read_manifest(board, run, v))
+        return out
+    latest = await board.read_latest(run)
+    v = latest.version if latest else None
+    while v is not None:  # static HTTP boards cannot list: walk parents from latest
+        m = await read_manifest(board, run, v)
+        out.append(m)
+        v = m.parent
+    return sorted(out, key=lambda m: m.version)

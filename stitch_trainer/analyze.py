@@ -39,8 +39,8 @@ from stitch_core.format.views import (
     FP8_DTYPE,
     FP8_MAX,
     View,
-    _expand,
     _group_amax,
+    expand_scale,
     parse_view,
     project,
     scale_name,
@@ -116,7 +116,7 @@ def predict(
     if served.dtype == FP8_DTYPE:
         sname = scale_name(name, v.granularity)
         scale = prev_view[sname]
-        delta = delta / _expand(scale, served.shape, v)
+        delta = delta / expand_scale(scale, served.shape, v)
         amax = _group_amax(new.float().abs(), v)  # a scale moves only when its group would clip
         moved = ~((scale > 0) & scale.isfinite() & (amax / scale <= FP8_MAX))
         out[sname] = (int(moved.sum()), float(moved.sum()))

@@ -421,7 +421,7 @@ class MegatronLayout:
 
     def megatron_shapes(self, tp_rank: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
         """The local parameters of rank (tp_rank, pp_rank) (names under this ``spec``)."""
-        self._check_rank(tp_rank, pp_rank)
+        self.check_rank(tp_rank, pp_rank)
         out: dict[str, tuple[int, ...]] = {}
         assert self.pipeline_layers is not None
         for r in self.rules:
@@ -438,7 +438,7 @@ class MegatronLayout:
                 out[name] = shape
         return out
 
-    def _check_rank(self, tp_rank: int, pp_rank: int) -> None:
+    def check_rank(self, tp_rank: int, pp_rank: int) -> None:
         if not (0 <= tp_rank < self.tp and 0 <= pp_rank < self.pp):
             raise ValueError(f"rank (tp={tp_rank}, pp={pp_rank}) outside tp={self.tp}, "
                              f"pp={self.pp}")
@@ -476,7 +476,7 @@ class MegatronLayout:
         Elements covered by no placement (vocabulary padding) land nowhere. Replicas come back
         with ``owned=False``. ``_extra_state`` entries give []; unknown names raise KeyError.
         """
-        self._check_rank(tp_rank, pp_rank)
+        self.check_rank(tp_rank, pp_rank)
         found = self.rule_of(name, pp_rank)
         if found is None:
             return []

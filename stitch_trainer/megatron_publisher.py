@@ -58,7 +58,7 @@ class MegatronPublisher(FSDPPublisher):
         config_dir: str | Path | None = None,
         spool_dir: str | Path | None = None,
     ):
-        layout._check_rank(tp_rank, pp_rank)
+        layout.check_rank(tp_rank, pp_rank)
         super().__init__(
             board, run, view, nats=nats, group=group, config_dir=config_dir, spool_dir=spool_dir
         )

@@ -275,7 +275,7 @@ class Publisher:
                         b.add, name, base_view.get(name), view.get(name), base_fps.get(name)
                     )
                 header = b.finish()
-            fps = {n: fp for n, _, _, fp in b._target_fps}
+            fps = b.target_fingerprints
             changed = header.changed_elements
             files["patch.stp"] = path
             objects.append(await asyncio.to_thread(object_ref, path, "patch"))

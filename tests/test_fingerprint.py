@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
-from stitch_core.format.dtypes import _INFOS
+from stitch_core.format.dtypes import INFOS
 
 M32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-INFO_IDS = [i.name for i in _INFOS]
+INFO_IDS = [i.name for i in INFOS]
 
 
 # ---------------------------------------------------------------- independent reference
@@ -86,11 +86,11 @@ def torch_path(name: str, t: torch.Tensor, offset: int = 0) -> int:
 
 
 def test_all_safetensors_dtypes_covered():
-    names = {i.name for i in _INFOS}
+    names = {i.name for i in INFOS}
     assert {"BOOL", "U8", "I64", "F8_E4M3", "F8_E5M2", "BF16", "F16", "F32", "F64"} <= names
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_numba_torch_and_reference_agree(info):
     t = random_tensor(info, 300, seed=1)
     f = fpr.fingerprint("model.layers.0.mlp.up_proj.weight", t)
@@ -99,13 +99,13 @@ def test_numba_torch_and_reference_agree(info):
     assert 0 <= f <= M64
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_paths_agree_on_a_large_tensor(info):
     t = random_tensor(info, 50_000, seed=2)
     assert fpr.fingerprint("w", t) == torch_path("w", t)
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_paths_agree_across_torch_blocks(info, monkeypatch):
     monkeypatch.setattr(fpr, "_BLOCK", 7)  # many blocks, ragged last one
     t = random_tensor(info, 100, seed=3)
@@ -128,7 +128,7 @@ def test_layout_does_not_matter_values_order_does():
 
 @HYP
 @given(
-    st.sampled_from(_INFOS),
+    st.sampled_from(INFOS),
     st.integers(0, 64),
     st.integers(0, 1 << 40),
     st.integers(0, 2**31),
@@ -142,7 +142,7 @@ def test_paths_agree_property(info, n, offset, seed):
 # ---------------------------------------------------------------- positions >= 2^32
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 @pytest.mark.parametrize("offset", [(1 << 32) - 5, 1 << 32, (1 << 33) + 17, (1 << 40) - 3])
 def test_high_positions(info, offset):
     t = random_tensor(info, 40, seed=4)
@@ -170,7 +170,7 @@ def test_decomposes_across_the_2_32_boundary():
 # ---------------------------------------------------------------- decomposable
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_decomposable_over_random_partitions(info):
     rng = np.random.default_rng(6)
     t = random_tensor(info, 5000, seed=6).reshape(50, 100)
@@ -188,7 +188,7 @@ def test_decomposable_over_random_partitions(info):
 
 
 @HYP
-@given(st.integers(1, 400), st.lists(st.integers(0, 400), max_size=10), st.sampled_from(_INFOS))
+@given(st.integers(1, 400), st.lists(st.integers(0, 400), max_size=10), st.sampled_from(INFOS))
 def test_decomposable_property(n, cuts, info):
     flat = random_tensor(info, n, seed=n)
     points = sorted({0, n, *(c for c in cuts if c <= n)})
@@ -215,7 +215,7 @@ def test_partial_sum_over_scattered_positions():
 # ---------------------------------------------------------------- incremental
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_incremental_update_equals_recomputation(info):
     g = torch.Generator().manual_seed(8)
     old_t = random_tensor(info, 2000, seed=8)
@@ -257,7 +257,7 @@ def test_update_with_no_positions_is_identity():
 # ---------------------------------------------------------------- sensitivity
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_every_single_bit_flip_changes_fingerprint(info):
     t = random_tensor(info, 64, seed=11)
     base = dtypes.int_view(t)
@@ -275,7 +275,7 @@ def test_every_single_bit_flip_changes_fingerprint(info):
     assert len(seen) == 1 + 4 * nbits  # and all flips give distinct fingerprints
 
 
-@pytest.mark.parametrize("info", [i for i in _INFOS if i.itemsize <= 2], ids=lambda i: i.name)
+@pytest.mark.parametrize("info", [i for i in INFOS if i.itemsize <= 2], ids=lambda i: i.name)
 def test_any_single_changed_narrow_element_changes_fingerprint(info):
     """Up to 2-byte elements: exhaustively, every other value at one position changes F."""
     t = random_tensor(info, 8, seed=12)
@@ -309,7 +309,7 @@ def test_swapping_two_elements_changes_fingerprint():
     assert fpr.fingerprint("w", s) != fpr.fingerprint("w", t)
 
 
-@pytest.mark.parametrize("info", _INFOS, ids=INFO_IDS)
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
 def test_different_names_different_fingerprints(info):
     t = random_tensor(info, 100, seed=13)
     names = [

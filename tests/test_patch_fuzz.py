@@ -26,7 +26,7 @@ from stitch_core.format.stp import END_MAGIC, FOOTER, PREAMBLE
 SPAN = 512
 SPAN1 = 2048
 N = 2048
-DTYPE_NAMES = [i.name for i in dtypes._INFOS]
+DTYPE_NAMES = [i.name for i in dtypes.INFOS]
 
 
 # ---------------------------------------------------------------- helpers

@@ -1,4 +1,8 @@
-"""The `stitch` command line: diff, apply, inspect (more verbs arrive with the board)."""
+"""The `stitch` command line: the parser, the patch verbs (diff, apply, inspect) and `main`.
+
+Version verbs are in `stitch_core.cli.versions`; verbs of other packages arrive through the
+``stitch.cli`` entry-point group (`add_plugin_verbs`). Every StitchError becomes exit 1 and one
+line on stderr."""
 
 from __future__ import annotations
 

@@ -48,11 +48,11 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.format.patch import (
     PatchSet,
-    _chunk_list,
-    _decode,
     apply_entry,
     check_compatible,
     check_digests,
+    chunk_list,
+    decode_chunk,
 )
 from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
@@ -284,7 +284,7 @@ class Coordinator:
             if e.name in self.unheld:  # no rank holds it: nothing to gather or write
                 continue
             chunks, pos = [], []
-            for reader, c in _chunk_list(patch, e):
+            for reader, c in chunk_list(patch, e):
                 pb, vb = reader.read_chunk(c)
                 try:
                     p = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
@@ -321,7 +321,7 @@ class Coordinator:
             for c, vb, k in chunks:
                 p, o = pos[s:s + k], old[s:s + k].to(torch.int64)
                 s += k
-                v = _decode(name, c, None, vb, o, dt, torch.device("cpu"))
+                v = decode_chunk(name, c, vb, o, dt, torch.device("cpu"))
                 got = fpr.update(got, name, p, o, v, dt.itemsize)
                 out.append(v.to(dt.int_dtype))
             if fpr.fmt(got) != e.target_fp:

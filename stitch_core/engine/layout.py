@@ -20,7 +20,9 @@ instead of the packed parameters.
 
 A loader that transforms values instead of placing them yields a map that does not reproduce the
 engine's weights; the coordinator detects that at start-up with fingerprints
-(``stitch_core.engine.coordinator``) and falls back to the engine's own loader for that tensor.
+(``stitch_core.engine.coordinator``) and refuses to follow, naming the tensor, unless the loader
+fallback is opted into (``STITCH_LOADER_FALLBACK=1``: that tensor is then updated, unverified,
+through the engine's own loader).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class DTypeInfo:
         return self.itemsize * 8
 
 
-_INFOS = [
+INFOS = [
     DTypeInfo("F64", torch.float64, torch.int64, 8, True, 52),
     DTypeInfo("F32", torch.float32, torch.int32, 4, True, 23),
     DTypeInfo("F16", torch.float16, torch.int16, 2, True, 10),
@@ -41,8 +41,8 @@ _INFOS = [
     DTypeInfo("U8", torch.uint8, torch.int8, 1, False),
     DTypeInfo("BOOL", torch.bool, torch.int8, 1, False),
 ]
-_BY_TORCH = {i.torch_dtype: i for i in _INFOS}
-_BY_NAME = {i.name: i for i in _INFOS}
+_BY_TORCH = {i.torch_dtype: i for i in INFOS}
+_BY_NAME = {i.name: i for i in INFOS}
 
 
 def info(dtype: torch.dtype | str) -> DTypeInfo:

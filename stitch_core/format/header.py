@@ -7,14 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stitch_core.format.dtypes import _INFOS
+from stitch_core.format.dtypes import INFOS
 
 FORMAT_NAME = "stitch-patch"
 FORMAT_VERSION = 1
 MAX_NUMEL = 1 << 40  # elements per tensor
 MAX_CHUNK_SPAN = 1 << 24  # positions per chunk: bounds every allocation of the decoder
 MAX_NAME = 1024
-DTYPE_NAMES = frozenset(i.name for i in _INFOS)
+DTYPE_NAMES = frozenset(i.name for i in INFOS)
 
 
 class Chunk(BaseModel):

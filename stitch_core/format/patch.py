@@ -59,6 +59,11 @@ class PatchBuilder:
         self._base_fps: list[tuple[str, str, tuple[int, ...], int]] = []
         self._target_fps: list[tuple[str, str, tuple[int, ...], int]] = []
 
+
+    @property
+    def target_fingerprints(self) -> dict[str, int]:
+        """{tensor name: fingerprint of its target (new) value}, for the tensors added so far."""
+        return {n: fp for n, _, _, fp in self._target_fps}
     def _chunk(self, e: codec.EncodedChunk) -> Chunk:
         off, crc = self._w.add_payload(e.pos_bytes, e.val_bytes)
         return Chunk(
@@ -407,7 +412,8 @@ class PatchSet:
             r.close()
 
 
-def _chunk_list(patch: PatchReader | PatchSet, entry: TensorEntry):
+def chunk_list(patch: PatchReader | PatchSet, entry: TensorEntry):
+    """[(reader, chunk)] of one tensor in order (a multi-part patch: chunks from every part)."""
     if isinstance(patch, PatchSet):
         return patch.chunks(entry.name)
     return [(patch, c) for c in entry.chunks]
@@ -452,8 +458,8 @@ def apply_entry(
             raise _fail(
                 f"{name}: cannot allocate {entry.numel:,} elements (absurd size?)"
             ) from None
-        for c, pb, vb in _chunks(reader, entry):
-            new = _decode(name, c, pb, vb, None, dt, flat.device)
+        for c, _pb, vb in _chunks(reader, entry):
+            new = decode_chunk(name, c, vb, None, dt, flat.device)
             flat[c.start : c.stop] = new.to(dt.int_dtype)
         out = dtypes.from_int(flat, dt.torch_dtype, tuple(entry.shape))
         got = fpr.fingerprint(name, out)
@@ -469,7 +475,7 @@ def apply_entry(
             pos = torch.from_numpy(codec.decode_positions(c.pos, pb, c.start, c.stop, c.count))
             pos = pos.to(flat.device)
             old = flat[pos].to(torch.int64)
-            new = _decode(name, c, pb, vb, old, dt, flat.device)
+            new = decode_chunk(name, c, vb, old, dt, flat.device)
             flat[pos] = new.to(dt.int_dtype)
             if undo is not None:
                 undo.append(lambda f=flat, p=pos, o=old: f.__setitem__(p, o.to(f.dtype)))
@@ -482,20 +488,21 @@ def apply_entry(
 
 
 def _chunks(patch: PatchReader | PatchSet, entry: TensorEntry):
-    for reader, c in _chunk_list(patch, entry):
+    for reader, c in chunk_list(patch, entry):
         pb, vb = reader.read_chunk(c)
         yield c, pb, vb
 
 
-def _decode(
+def decode_chunk(
     name: str,
     c: Chunk,
-    pb,
-    vb,
+    vb: bytes,
     old: torch.Tensor | None,
     dt: dtypes.DTypeInfo,
     device: torch.device,
 ) -> torch.Tensor:
+    """New integer bits of one chunk's `c.count` elements, from its value stream `vb` and, for
+    ULP values, the elements' `old` bits. Codec failures become PatchError naming the tensor."""
     try:
         ctx = codec.Context.from_list(c.ctx) if c.ctx else None
         return codec.decode_values(c.val, ctx, vb, c.count, old, dt, device)

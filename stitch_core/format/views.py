@@ -115,7 +115,7 @@ def _group_amax(a: torch.Tensor, view: View) -> torch.Tensor:
     return a.reshape(nr, b, nc, b).amax(dim=(1, 3))
 
 
-def _expand(scale: torch.Tensor, shape: torch.Size, view: View) -> torch.Tensor:
+def expand_scale(scale: torch.Tensor, shape: torch.Size, view: View) -> torch.Tensor:
     """Scale broadcastable to the weight's shape."""
     if view.granularity != "block":
         return scale
@@ -133,7 +133,7 @@ def _quantize(
         prev = prev.to(device=scale.device, dtype=torch.float32)
         keep = (prev > 0) & prev.isfinite() & (amax / prev <= FP8_MAX)
         scale = torch.where(keep, prev, scale)
-    codes = (w32 / _expand(scale, w.shape, view)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    codes = (w32 / expand_scale(scale, w.shape, view)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes.contiguous(), scale.contiguous()
 
 
@@ -175,7 +175,7 @@ def dequantize(
         if v.kind == "fp8-e4m3" and t.dtype == FP8_DTYPE:
             sname = scale_name(name, v.granularity)
             scale = view_tensors[sname].to(device=t.device, dtype=torch.float32)
-            out[name] = t.to(torch.float32) * _expand(scale, t.shape, v)
+            out[name] = t.to(torch.float32) * expand_scale(scale, t.shape, v)
             scales.add(sname)
         else:
             out[name] = _copy(t, torch.float32) if t.is_floating_point() else _copy(t)

@@ -161,13 +161,14 @@ class _JobEngine:
         self.rpc_s: dict[str, float] = {}
         self.hooks: dict = {}  # Coordinator(pause=..., resume=...)
 
-    async def _call(self, method: str, payload: dict) -> list[dict]:
+    async def _call(self, req) -> list:
         raise NotImplementedError
 
-    async def rpc(self, method: str, payload: dict) -> list[dict]:
+    async def rpc(self, req) -> list:
+        """The Coordinator's transport, timed per request type (e.g. rpc_s["loadfiles"])."""
         t = time.perf_counter()
-        out = await self._call(method, payload)
-        self.rpc_s[method] = time.perf_counter() - t
+        out = await self._call(req)
+        self.rpc_s[type(req).__name__.lower()] = time.perf_counter() - t
         return out
 
     def run(self, coro):
@@ -234,11 +235,11 @@ class _VllmJob(_JobEngine):
         replica_mod.fpr = self.timed_fpr
         self.repack = {"seconds": 0.0, "layers": 0, "dirty": 0}
 
-    async def _call(self, method: str, payload: dict) -> list[dict]:
-        import pickle
+    async def _call(self, req) -> list:
+        from stitch_core.engine import rpc
 
-        return [pickle.loads(r) for r in
-                self.llm.collective_rpc("stitch_call", args=(method, pickle.dumps(payload)))]
+        return [rpc.decode(r) for r in
+                self.llm.collective_rpc("stitch_call", args=(rpc.encode(req),))]
 
     def attach(self) -> None:
         rep = self.rep = self.worker._stitch_replica()
@@ -268,7 +269,9 @@ class _VllmJob(_JobEngine):
 
     def info(self) -> dict:
         mods = list(self.rep.model.modules())
-        return {"packed_layers": sum(bool(getattr(m, "_stitch_cpu_packed", False)) for m in mods),
+        from stitch_core.engine import derived
+
+        return {"packed_layers": sum(derived.kinds(self.rep.model).values()),
                 "linear_layers": sum(hasattr(m, "cpu_linear") for m in mods),
                 "engine_params": sum(p.numel() for p in self.rep._params().values())}
 
@@ -302,8 +305,8 @@ class _SglangJob(_JobEngine):
         self.follower = SglangFollower(self.engine.tokenizer_manager, Settings())
         self.hooks = {"pause": self.follower.pause, "resume": self.follower.resume}
 
-    async def _call(self, method: str, payload: dict) -> list[dict]:
-        return await self.follower.rpc(method, payload)
+    async def _call(self, req) -> list:
+        return await self.follower.rpc(req)
 
     def run(self, coro):
         return self.engine.loop.run_until_complete(coro)
@@ -322,6 +325,7 @@ def engine_job(job_path: str) -> None:
 
     import gc
 
+    from stitch_core.engine import rpc
     from stitch_core.engine.coordinator import Coordinator
     from stitch_core.versions.board import LocalBoard
     from stitch_core.versions.store import fetch_object, fetch_patch, read_manifest
@@ -351,7 +355,7 @@ def engine_job(job_path: str) -> None:
                 t = time.perf_counter()
                 await coord.load_snapshot(m0, snap)
                 reloads.append({"run": r["run"], "seconds": time.perf_counter() - t,
-                                "load_files_s": rpc_s.get("load_files"),
+                                "load_files_s": rpc_s.get("loadfiles"),
                                 "sums_s": rpc_s.get("sums"), **eng.reload()})
             for v in range(1, r["versions"] + 1):
                 m = await read_manifest(board, r["run"], v)
@@ -359,14 +363,14 @@ def engine_job(job_path: str) -> None:
                 gc.collect()  # outside the timers: no collection lands in one apply by chance
                 eng.reset()
                 st = await coord.apply_patch(m, paths)
-                base = (await eng.rpc("baseline", {"repeat": 5}))[0]
+                base = (await eng.rpc(rpc.Baseline(repeat=5)))[0]
                 rows.append({
                     "run": r["run"], "lr": r["lr"], "version": v, "changed": st["changed"],
                     "total_elements": m.total_elements, "patch_bytes": st["patch_bytes"],
                     "gather_s": st["gather_s"], "gather_rank_s": st["gather_rank_s"],
                     "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
                     "pause_s": st["pause_s"], "total_s": st["total_s"],
-                    "index_put_s": base["index_put_s"], "index_put_elements": base["elements"],
+                    "index_put_s": base.index_put_s, "index_put_elements": base.elements,
                     **eng.row(), "cold": i == 0 and v == 1,
                 })
         t = time.perf_counter()

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from stitch_core.engine import rpc
 from stitch_core.serve.asgi import StitchASGI, send_json
 
 log = logging.getLogger("stitch.engine")
@@ -86,7 +87,8 @@ class EngineFollower:
         self.error: str | None = None
         self._tasks: list[asyncio.Task] = []
 
-    async def rpc(self, method: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    async def rpc(self, req: rpc.Request) -> list[rpc.Reply]:
+        """Send `req` to `RankReplica.handle` on every rank; the replies in rank order."""
         raise NotImplementedError
 
     async def pause(self) -> None:

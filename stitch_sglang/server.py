@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import threading
 from pathlib import Path
 from typing import Any
 
+from stitch_core.engine import rpc
 from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
 from stitch_core.serve import protocol
 from stitch_core.versions.manifest import PULLED_MANIFEST
@@ -76,15 +76,15 @@ class SglangFollower(EngineFollower):
             self._comm = comm
         return self._comm
 
-    async def rpc(self, method: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    async def rpc(self, req: rpc.Request) -> list[rpc.Reply]:
         from .worker import StitchCallReqInput
 
-        outs = await self._communicator()(
-            StitchCallReqInput(method=method, blob=pickle.dumps(payload)))
+        method = type(req).__name__
+        outs = await self._communicator()(StitchCallReqInput(method=method, blob=rpc.encode(req)))
         errors = [o.error for o in outs if o.error]
         if errors:
             raise RuntimeError(f"stitch {method} failed on the engine: {'; '.join(errors)}")
-        return [pickle.loads(r) for o in outs for r in o.replies]
+        return [rpc.decode(r) for o in outs for r in o.replies]
 
     async def pause(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput

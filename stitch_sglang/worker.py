@@ -5,12 +5,13 @@ SGLang runs one scheduler process per TP rank. Control requests from the Tokeniz
 HTTP process) reach TP rank 0, which broadcasts them to every rank; each rank runs the handler
 registered for the request's type between engine steps, and only rank 0's return value is sent
 back. So the handler installed here (an AFTER hook on `Scheduler.init_request_dispatcher`, see
-`stitch_sglang.plugin`) runs `RankReplica.dispatch(method, payload)` on its rank's model, then
+`stitch_sglang.plugin`) runs `RankReplica.handle(request)` on its rank's model, then
 every rank joins one `all_gather_object` on the TP CPU (gloo) group, as SGLang's own
 `check_weights` does, and rank 0 returns all replies in rank order. Every rank reaches the
 collective even when its call failed: errors travel as strings and the HTTP side raises them.
 
-Payloads are pickled bytes both ways, inside two msgspec request types registered with
+Typed requests and replies (`stitch_core.engine.rpc`, encoded as bytes) travel inside two msgspec
+request types registered with
 `io_struct.hook_custom_types` in every SGLang process (their msgspec tag is the class name).
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 from typing import Any
 
 import torch
@@ -30,14 +30,14 @@ __all__ = ["StitchCallReqInput", "StitchCallReqOutput", "install_handler", "rank
 
 
 class StitchCallReqInput(BaseReq, kw_only=True):
-    """One `RankReplica` call for every TP rank: method name + pickled keyword payload."""
+    """One `RankReplica` request for every TP rank: its type name (for logs) and its encoding."""
 
     method: str
     blob: bytes
 
 
 class StitchCallReqOutput(BaseReq, kw_only=True):
-    """Pickled replies in TP rank order; `error` joins the ranks' errors (None: all succeeded)."""
+    """Encoded replies in TP rank order; `error` joins the ranks' errors (None: all succeeded)."""
 
     replies: list[bytes]
     error: str | None = None
@@ -70,7 +70,12 @@ def _call(scheduler: Any, method: str, blob: bytes) -> bytes:
     if torch.cuda.is_available() and any(p.is_cuda for p in rep.model.parameters()):
         # the overlap scheduler may still have a forward in flight on the device
         torch.cuda.synchronize()
-    return pickle.dumps(rep.dispatch(method, pickle.loads(blob)))
+    from stitch_core.engine import rpc
+
+    req = rpc.decode(blob)
+    if type(req).__name__ != method:
+        raise TypeError(f"request {type(req).__name__} sent as {method}")
+    return rpc.encode(rep.handle(req))
 
 
 def handle(scheduler: Any, req: StitchCallReqInput) -> StitchCallReqOutput:

@@ -11,9 +11,9 @@ environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, STITCH_NATS_
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
+from stitch_core.engine import rpc
 from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
 
 __all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current"]
@@ -26,10 +26,9 @@ class VllmFollower(EngineFollower):
         super().__init__(settings, model_dir or engine_client.model_config.model)
         self.engine = engine_client
 
-    async def rpc(self, method: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        replies = await self.engine.collective_rpc("stitch_call",
-                                                   args=(method, pickle.dumps(payload)))
-        return [pickle.loads(r) for r in replies]
+    async def rpc(self, req: rpc.Request) -> list[rpc.Reply]:
+        replies = await self.engine.collective_rpc("stitch_call", args=(rpc.encode(req),))
+        return [rpc.decode(r) for r in replies]
 
     async def pause(self) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=False)

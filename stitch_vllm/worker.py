@@ -2,14 +2,15 @@
 
 Used as `--worker-extension-cls stitch_vllm.worker.StitchWorkerExtension`.
 
-vLLM mixes this class into its worker on every TP rank; `collective_rpc("stitch_call", args=(method,
-blob))` reaches all of them. Each rank holds a `stitch_core.engine.replica.RankReplica` over its
-shard of
-the model (layout learned from the model's own loaders, gather/write/undo/commit, full sums); the
-coordinator in the API server process (`stitch_vllm.server`) decodes patches and drives the ranks.
+vLLM mixes this class into its worker on every TP rank; `collective_rpc("stitch_call",
+args=(blob,))` reaches all of them with one encoded typed request (`stitch_core.engine.rpc`). Each
+rank holds a `stitch_core.engine.replica.RankReplica` over its shard of the model (layout learned
+from the model's own loaders, gather/write/undo/commit, full sums); the coordinator in the API
+server process (`stitch_vllm.server`) decodes patches and drives the ranks.
 
-Payloads are pickled bytes both ways: vLLM's msgpack channel turns arrays into memoryviews that the
-worker message queue cannot carry. The channel is the engine's own, between its own processes.
+Requests and replies cross as bytes: vLLM's msgpack channel turns arrays into memoryviews that
+the worker message queue cannot carry. The channel is the engine's own, between its own
+processes.
 
 Imports stay light (torch, numpy); the replica and the codec are imported on the first call.
 numba is safe here (see stitch_core/_jit.py for the vLLM start-up scan it used to trip).
@@ -17,17 +18,11 @@ numba is safe here (see stitch_core/_jit.py for the vLLM start-up scan it used t
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
 
-from stitch_core.engine.layout import (
-    apply_chunks,
-    engine_params,
-    learn_layout,
-    read_safetensors_shapes,
-)
+from stitch_core.engine.layout import engine_params, read_safetensors_shapes
 
 from .cpu import repack_dirty
 
@@ -58,30 +53,37 @@ class StitchWorkerExtension:
             from stitch_core.engine.replica import RankReplica
 
             model = self._stitch_model()
-            rep = RankReplica(model, on_dirty=lambda dirty: repack_dirty(model, dirty),
-                              rank_info=self.stitch_rank_info())
+            def on_dirty(dirty: set[str]) -> None:
+                self._stitch_repacked = repack_dirty(model, dirty)
+
+            rep = RankReplica(model, on_dirty=on_dirty, rank_info=self.stitch_rank_info())
             self._stitch_rep = rep
         return rep
 
-    def stitch_call(self, method: str, blob: bytes) -> bytes:
-        """Run one RankReplica method; pickled payload in, pickled reply out."""
-        payload = pickle.loads(blob)
-        return pickle.dumps(self._stitch_replica().dispatch(method, payload))
+    def stitch_call(self, blob: bytes) -> bytes:
+        """One typed rank request (`stitch_core.engine.rpc`), encoded, in; its reply out."""
+        from stitch_core.engine import rpc
+
+        return rpc.encode(self._stitch_replica().handle(rpc.decode(blob)))
 
     # ------------------------------------------------------------ lower-level (tests, debugging)
 
     def stitch_learn_layout(self, hf_shapes=None) -> dict[str, Any]:
-        model = self._stitch_model()
+        """Learn this rank's layout map (as the coordinator's Setup does); its summary."""
         if hf_shapes is None:
             hf_shapes = read_safetensors_shapes(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-        self._stitch_layout = learn_layout(model, hf_shapes, rank_info=self.stitch_rank_info())
-        return self._stitch_layout.summary()
+        from stitch_core.format import dtypes
 
-    def stitch_apply(self, chunks, repack: bool = True) -> dict[str, Any]:
-        """chunks: list of (hf_name, positions, values) as accepted by ``layout.apply_chunk``."""
-        model = self._stitch_model()
-        out = apply_chunks(model, self._stitch_layout, chunks)
-        out["repacked"] = repack_dirty(model, out["params"]) if repack else []
+        rep = self._stitch_replica()
+        rep.setup({n: (tuple(shape), dtypes.info(dt).name) for n, (shape, dt) in hf_shapes.items()})
+        return rep.layout.summary()
+
+    def stitch_apply(self, chunks) -> dict[str, Any]:
+        """chunks: [(hf_name, positions, new values)] through the replica's one write path (read
+        back, re-pack, derived-copy check); what was written and which modules re-packed."""
+        self._stitch_repacked = []
+        out = self._stitch_replica().put({n: (pos, vals) for n, pos, vals in chunks})
+        out["repacked"] = self._stitch_repacked
         return out
 
     def stitch_param_bytes(self, names=None) -> dict[str, bytes]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from stitch_core.engine import derived
+from stitch_core.engine import derived, rpc
 from stitch_core.engine.layout import engine_params
 from stitch_core.engine.replica import RankReplica, ReplicaError
 
@@ -97,8 +97,8 @@ def _replica(m: nn.Module, rebuild: bool) -> RankReplica:
 
     rep = RankReplica(m, on_dirty=on_dirty)
     info = rep.setup(_shapes(m))
-    assert info["derived_copies"] == {"toy": 3} and info["stale_derived"] == []
-    assert info["unmanaged"] == []
+    assert info.derived_copies == {"toy": 3} and info.stale_derived == []
+    assert info.unmanaged == []
     return rep
 
 
@@ -106,8 +106,8 @@ def _gather_write(rep: RankReplica, pos: list[int], new: torch.Tensor):
     import numpy as np
 
     name = "model.embed_tokens.weight"
-    rep.gather("a1", {name: np.asarray(pos, dtype=np.int32).tobytes()})
-    return rep.write("a1", {name: new.view(torch.int32).numpy().tobytes()})
+    rep.gather("a1", {name: np.asarray(pos, dtype=np.int32)})
+    return rep.write("a1", {name: new.view(torch.int32).numpy()})
 
 
 def test_write_that_leaves_a_copy_stale_is_undone():
@@ -124,7 +124,7 @@ def test_write_rebuilds_the_tied_copies_and_serves_the_new_values():
     m = Tied()
     rep = _replica(m, rebuild=True)
     out = _gather_write(rep, [0, 17, V * D - 1], torch.tensor([1.5, -2.0, 3.25]))
-    assert out["dirty"] == ["model.embed_tokens.weight"]
+    assert out.dirty == ["model.embed_tokens.weight"]
     rep.commit("a1")
     assert derived.stale(m) == []
     w = m.model.embed_tokens.weight.reshape(-1)
@@ -139,4 +139,4 @@ def test_sums_report_a_copy_left_stale_behind_the_replica():
     rep = _replica(m, rebuild=True)
     with torch.no_grad():  # e.g. a write that bypassed the apply path
         m.model.proj.weight[0, 0] = 9.0
-    assert rep.dispatch("sums", {})["stale_derived"] == ["model.proj (toy)"]
+    assert rep.handle(rpc.Sums()).stale_derived == ["model.proj (toy)"]

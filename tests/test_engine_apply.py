@@ -8,12 +8,12 @@ engine loaded from that version's weights.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
+from stitch_core.engine import rpc as rpc_
 from stitch_core.engine.coordinator import Coordinator, EngineStateError
 from stitch_core.engine.replica import RankReplica
 from stitch_core.format import fingerprint as fpr
@@ -64,9 +64,9 @@ def _same(a: ToyEngine, b: ToyEngine) -> bool:
 
 
 def _rpc(replicas):
-    async def rpc(method, payload):
-        payload = pickle.loads(pickle.dumps(payload))  # as through the engine's RPC
-        return [pickle.loads(pickle.dumps(r.dispatch(method, payload))) for r in replicas]
+    async def rpc(req):
+        req = rpc_.decode(rpc_.encode(req))  # as through the engine's RPC
+        return [rpc_.decode(rpc_.encode(r.handle(req))) for r in replicas]
     return rpc
 
 
@@ -171,8 +171,8 @@ async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path
 
     def lying_write(apply_id, values):  # writes, but reports a wrong delta (a layout bug)
         out = real_write(apply_id, values)
-        name = next(iter(out["delta"]))
-        out["delta"][name] = (out["delta"][name] + 1) & fpr.MASK64
+        name = next(iter(out.delta))
+        out.delta[name] = (out.delta[name] + 1) & fpr.MASK64
         return out
 
     replicas[1].write = lying_write

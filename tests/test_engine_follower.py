@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pickle
 
 import httpx
 import torch
 
+from stitch_core.engine import rpc
 from stitch_core.engine.replica import RankReplica
 from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
 from stitch_core.versions.board import LocalBoard
@@ -33,10 +33,10 @@ class ToyFollower(EngineFollower):
         self.replicas = replicas
         self.calls: list[str] = []
 
-    async def rpc(self, method, payload):
-        self.calls.append(method)
-        payload = pickle.loads(pickle.dumps(payload))
-        return [pickle.loads(pickle.dumps(r.dispatch(method, payload))) for r in self.replicas]
+    async def rpc(self, req):
+        self.calls.append(type(req).__name__.lower())
+        req = rpc.decode(rpc.encode(req))  # as through the engine's RPC
+        return [rpc.decode(rpc.encode(r.handle(req))) for r in self.replicas]
 
     async def pause(self):
         self.calls.append("pause")

@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from stitch_core.engine import rpc
 from stitch_core.engine.layout import read_safetensors_shapes
-from stitch_core.engine.replica import index_dtype
+from stitch_core.engine.rpc import index_dtype
 from stitch_core.errors import StitchError
 from stitch_core.format import codec, dtypes
 from stitch_core.format import fingerprint as fpr
@@ -59,7 +60,8 @@ from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.store import Step
 
 log = logging.getLogger("stitch.engine")
-Rpc = Callable[[str, dict[str, Any]], Awaitable[list[dict[str, Any]]]]
+# the adapter's transport: one typed request to every rank, one reply per rank (rank order)
+Rpc = Callable[[rpc.Request], Awaitable[list[Any]]]
 Hook = Callable[[], Awaitable[Any]]
 VersionHook = Callable[[int], Awaitable[Any]]
 
@@ -137,12 +139,12 @@ class Coordinator:
             self.shapes = {n: (s, dtypes.info(d).name) for n, (s, d) in hf.items()}
             want = await asyncio.to_thread(_files_fingerprints, model_dir, list(self.shapes))
         t0 = time.perf_counter()
-        replies = await self.rpc("setup", {"shapes": self.shapes})
+        replies: list[rpc.SetupReply] = await self.rpc(rpc.Setup(self.shapes))
         self.ranks = len(replies)
         placed, fallback, self.unheld = self._classify(replies, want)
-        self.derived = sorted({p for r in replies for p in r.get("derived", [])}
-                              | {a for r in replies for a in r.get("unmanaged", [])})
-        self.derived_copies = _merge_counts(r.get("derived_copies", {}) for r in replies)
+        self.derived = sorted({p for r in replies for p in r.derived}
+                              | {a for r in replies for a in r.unmanaged})
+        self.derived_copies = _merge_counts(r.derived_copies for r in replies)
         stale = _stale(replies)
         if stale:
             raise EngineStateError(f"derived copies of weights do not match the weights they are "
@@ -196,8 +198,8 @@ class Coordinator:
         placed, fallback, unheld = [], [], []
         for name, (shape, _) in self.shapes.items():
             numel = int(np.prod(shape, dtype=np.int64))
-            mapped = sum(r["mapped"].get(name, 0) for r in replies)
-            total = sum(r["sums"].get(name, 0) for r in replies) & fpr.MASK64
+            mapped = sum(r.mapped.get(name, 0) for r in replies)
+            total = sum(r.sums.get(name, 0) for r in replies) & fpr.MASK64
             k = mapped // numel if numel else 0
             if not numel or not mapped:
                 unheld.append(name)
@@ -237,9 +239,9 @@ class Coordinator:
                 plan = await asyncio.to_thread(self._positions, patch, m)
                 aid = uuid.uuid4().hex
                 t_g = time.perf_counter()
-                gathered = await self.rpc("gather", {"id": aid, "positions": {
-                    n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0])))).tobytes()
-                    for n, (p, _) in plan["placed"].items()}})
+                gathered: list[rpc.GatherReply] = await self.rpc(rpc.Gather(aid, {
+                    n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
+                    for n, (p, _) in plan["placed"].items()}))
                 gather_s = time.perf_counter() - t_g
                 new, fb_new = await asyncio.to_thread(self._decode_all, patch, plan, gathered)
             finally:
@@ -247,7 +249,7 @@ class Coordinator:
                     r.close()
             stats = await self._write(m, aid, new, fb_new)
             stats.update(version=m.version, changed=plan["changed"], gather_s=gather_s,
-                         gather_rank_s=max(g["seconds"] for g in gathered),
+                         gather_rank_s=max(g.seconds for g in gathered),
                          total_s=time.perf_counter() - t_all, patch_bytes=m.patch_bytes)
             self.patch_bytes_total += m.patch_bytes
             self.last_apply = stats
@@ -299,18 +301,20 @@ class Coordinator:
             placed[e.name] = (allpos, (e, chunks))
         return {"placed": placed, "fallback": fb, "changed": changed}
 
-    def _decode_all(self, patch, plan, gathered) -> tuple[dict[str, bytes], dict[str, Any]]:
+    def _decode_all(self, patch, plan, gathered: list[rpc.GatherReply]
+                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         h = patch.header
-        new: dict[str, bytes] = {}
+        new: dict[str, np.ndarray] = {}
         for name, (pos, (e, chunks)) in plan["placed"].items():
             dt = dtypes.info(e.dtype)
             old = torch.empty(pos.numel(), dtype=dt.int_dtype)
             held = torch.zeros(pos.numel(), dtype=torch.bool)
             for g in gathered:
-                idx_b, bits_b = g["old"][name]
-                bits = dtypes.bits_from_bytes(bits_b, dt.int_dtype)
-                idx = (torch.arange(pos.numel()) if idx_b is None else torch.from_numpy(
-                    np.frombuffer(idx_b, dtype=index_dtype(pos.numel())).astype(np.int64)))
+                h_ = g.old[name]
+                bits = torch.from_numpy(np.ascontiguousarray(h_.bits).reshape(-1)).view(
+                    dt.int_dtype)
+                idx = (torch.arange(pos.numel()) if h_.index is None
+                       else torch.from_numpy(h_.index.astype(np.int64)))
                 old[idx] = bits
                 held[idx] = True
             if not bool(held.all()):
@@ -327,7 +331,7 @@ class Coordinator:
             if fpr.fmt(got) != e.target_fp:
                 raise PatchError(f"{name}: result fingerprint {fpr.fmt(got)} != {e.target_fp} "
                                  "(corrupt patch?)")
-            new[name] = torch.cat(out).numpy().tobytes()
+            new[name] = torch.cat(out).numpy()
         fb_new: dict[str, torch.Tensor] = {}
         for e in plan["fallback"]:  # verified by apply_entry against the target fingerprint
             fb_new[e.name] = apply_entry(patch, e, self.fallback[e.name],
@@ -338,7 +342,7 @@ class Coordinator:
                                 self.shapes.items()])
         return new, fb_new
 
-    async def _write(self, m: Manifest, aid: str, new: dict[str, bytes],
+    async def _write(self, m: Manifest, aid: str, new: dict[str, np.ndarray],
                      fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
         gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
         async with gate_cm as handle:
@@ -347,10 +351,10 @@ class Coordinator:
                 await self.pause()
             t_w = time.perf_counter()
             try:
-                replies = await self.rpc("write", {"id": aid, "values": new})
+                replies: list[rpc.WriteReply] = await self.rpc(rpc.Write(aid, new))
                 try:
                     for name in new:
-                        got = sum(r["delta"][name] for r in replies) & fpr.MASK64
+                        got = sum(r.delta[name] for r in replies) & fpr.MASK64
                         want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
                             & fpr.MASK64
                         if got != want:
@@ -358,11 +362,12 @@ class Coordinator:
                                 f"{name}: ranks wrote a change that does not add up to the "
                                 "manifest's (layout bug?); undone")
                     if fb_new:
-                        await self.rpc("load", {"tensors": [
-                            (n, dtypes.info(t.dtype).name, list(t.shape),
-                             dtypes.int_view(t).numpy().tobytes()) for n, t in fb_new.items()]})
+                        await self.rpc(rpc.Load({
+                            n: (dtypes.info(t.dtype).name, tuple(t.shape),
+                                dtypes.int_view(t).reshape(-1).numpy())
+                            for n, t in fb_new.items()}))
                 except BaseException:
-                    await self.rpc("undo", {"id": aid})
+                    await self.rpc(rpc.Undo(aid))
                     raise
                 write_s = time.perf_counter() - t_w
                 self.fps = dict(m.fingerprints)
@@ -373,10 +378,10 @@ class Coordinator:
                 if self.pause is not None and self.resume is not None:
                     await self.resume()
             pause_s = time.perf_counter() - t0
-        await self.rpc("commit", {"id": aid})  # drops the ranks' undo logs; outside the pause
+        await self.rpc(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
         self._set_version(m.version)
         return {"write_s": write_s, "pause_s": pause_s,
-                "write_rank_s": max(r["seconds"] for r in replies)}
+                "write_rank_s": max(r.seconds for r in replies)}
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
         """Load a whole version through the engine's loader, then prove it."""
@@ -390,10 +395,10 @@ class Coordinator:
                 if self.pause is not None:
                     await self.pause()
                 try:
-                    await self.rpc("load_files", {"files": files})
-                    replies = await self.rpc("sums", {})
+                    await self.rpc(rpc.LoadFiles(files))
+                    replies: list[rpc.SumsReply] = await self.rpc(rpc.Sums())
                     bad = [n for n, k in self.mult.items()
-                           if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                           if sum(r.sums[n] for r in replies) & fpr.MASK64
                            != (k * want[n]) & fpr.MASK64] + _stale(replies)
                     if bad:
                         self._set_version(None)
@@ -423,9 +428,9 @@ class Coordinator:
         """Recompute every rank's full sums and compare with the held version's fingerprints."""
         async with self._lock:
             t0 = time.perf_counter()
-            replies = await self.rpc("sums", {"names": sorted(self.mult)})
+            replies: list[rpc.SumsReply] = await self.rpc(rpc.Sums(sorted(self.mult)))
             bad = [n for n, k in self.mult.items()
-                   if sum(r["sums"][n] for r in replies) & fpr.MASK64
+                   if sum(r.sums[n] for r in replies) & fpr.MASK64
                    != (k * self.fps[n]) & fpr.MASK64]
             stale = _stale(replies)  # kernels' copies not rebuilt from the weights there now
             bad += stale
@@ -443,7 +448,7 @@ class Coordinator:
 def _stale(replies) -> list[str]:
     """Derived copies any rank reports stale, as 'rank R: module (kind)'."""
     return [f"rank {i}: {name}" for i, r in enumerate(replies)
-            for name in r.get("stale_derived", [])]
+            for name in r.stale_derived]
 
 
 def _merge_counts(counts) -> dict[str, int]:

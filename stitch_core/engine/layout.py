@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from stitch_core._jit import numba
-from stitch_core.format import dtypes
 
 __all__ = [
     "Segment",
@@ -48,8 +47,6 @@ __all__ = [
     "read_safetensors_shapes",
     "engine_params",
     "learn_layout",
-    "apply_chunk",
-    "apply_chunks",
     "MastersInstalled",
 ]
 
@@ -468,75 +465,3 @@ def _segments(param: str, hf_start: np.ndarray, eng_start: np.ndarray,
             groups.append([i])
             ends.append(int(hf_end[i]))
     return [Segment(param, hf_start[g], eng_start[g], length[g]) for g in map(np.array, groups)]
-
-
-# --------------------------------------------------------------------------- #
-# Applying patches
-# --------------------------------------------------------------------------- #
-def apply_chunk(
-    params: Mapping[str, torch.Tensor],
-    layout: Layout,
-    hf_name: str,
-    positions,
-    values,
-    dirty: set[str] | None = None,
-) -> int:
-    """Write new values of HF tensor ``hf_name`` at HF flat ``positions`` into the engine.
-
-    ``values`` is a tensor in the HF dtype (or a same-itemsize integer tensor
-    holding its raw bits, e.g. int16 for bf16, or those bits as ``bytes``);
-    ``positions`` an int64 array/tensor or its ``bytes``.  Use bytes through
-    ``collective_rpc`` with multiprocessing: vLLM's msgpack encoder turns numpy
-    arrays / tensors into memoryviews that the worker MessageQueue cannot pickle.
-    Returns the number of engine elements written (0 if no part of the tensor
-    lives on this rank).
-    """
-    tmap = layout.tensors[hf_name]
-    if isinstance(positions, (bytes, bytearray, memoryview)):
-        positions = np.frombuffer(positions, dtype=np.int64)
-    if isinstance(values, (bytes, bytearray, memoryview)):  # raw little-endian bits
-        iv = _INT_VIEW[tmap.hf_dtype.itemsize]
-        values = dtypes.bits_from_bytes(values, iv)
-    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-    vals = torch.as_tensor(values).reshape(-1)
-    if vals.dtype != tmap.hf_dtype:
-        if vals.element_size() == tmap.hf_dtype.itemsize and not vals.is_floating_point():
-            vals = vals.view(tmap.hf_dtype)
-        else:
-            raise TypeError(f"{hf_name}: values dtype {vals.dtype} != HF dtype {tmap.hf_dtype}")
-    if pos.numel() != vals.numel():
-        raise ValueError(f"{hf_name}: {pos.numel()} positions vs {vals.numel()} values")
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tmap.hf_numel):
-        raise IndexError(f"{hf_name}: position out of range [0, {tmap.hf_numel})")
-    written = 0
-    for seg in tmap.segments:
-        ok, eng = seg.locate(pos)
-        if not eng.numel():
-            continue
-        p = params[seg.param]
-        data = p.data
-        if not data.is_contiguous():
-            raise RuntimeError(f"{seg.param}: non-contiguous engine param")
-        flat = data.view(-1)
-        v = vals[ok]
-        if data.dtype == v.dtype:
-            iv = _INT_VIEW[data.element_size()]
-            flat.view(iv).index_put_((eng.to(data.device),), v.view(iv).to(data.device))
-        else:  # engine keeps another dtype (e.g. fp32 engine, fp32 bias on AMX)
-            flat.index_put_((eng.to(data.device),), v.to(data.device).to(data.dtype))
-        written += int(eng.numel())
-        if dirty is not None:
-            dirty.add(seg.param)
-    return written
-
-
-def apply_chunks(model, layout: Layout, chunks: Iterable[tuple[str, Any, Any]]) -> dict[str, Any]:
-    """Apply several (hf_name, positions, values) chunks; returns what was written where."""
-    params = engine_params(model)
-    dirty: set[str] = set()
-    n = 0
-    for name, pos, vals in chunks:
-        n += apply_chunk(params, layout, name, pos, vals, dirty)
-    return {"written": n, "params": sorted(dirty)}
-
-

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stitch_core.engine import derived
+from stitch_core.engine import derived, rpc
 from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
@@ -49,10 +49,6 @@ class ReplicaError(StitchError, RuntimeError):
 _INEXACT = 0x9E3779B97F4A7C15  # added to a sum per engine value that is not a served-view value
 
 
-def index_dtype(bound: int) -> type[np.signedinteger]:
-    """Wire dtype of positions / indices below `bound` in the rank RPC: int32 when they fit (every
-    tensor under 2**31 elements), else int64. Both ends derive it from the tensor's size."""
-    return np.int32 if bound <= 2**31 else np.int64
 
 
 def _hf_bits(vals: torch.Tensor, hf_dtype: torch.dtype) -> torch.Tensor:
@@ -120,7 +116,7 @@ class RankReplica:
 
     # ------------------------------------------------------------ set-up and full checks
 
-    def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, Any]:
+    def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> rpc.SetupReply:
         """Learn the layout (engine idle) and return full per-copy sums and mapped counts."""
         hf = {n: (tuple(s), dtypes.info(d).torch_dtype) for n, (s, d) in shapes.items()}
         t0 = time.perf_counter()
@@ -128,15 +124,15 @@ class RankReplica:
         learn_s = time.perf_counter() - t0
         sums = self.sums()
         mapped = {n: sum(s.n_elems for s in t.segments) for n, t in self.layout.tensors.items()}
-        return {"rank": self.rank_info, "sums": sums, "mapped": mapped, "learn_s": learn_s,
-                "sums_s": time.perf_counter() - t0 - learn_s,
-                "const": {p: c for p, c in self.layout.param_const.items() if c},
-                "unwritten": {p: c for p, c in self.layout.param_unwritten.items() if c},
-                "derived": self.layout.derived(),
-                # kernels' private copies of weights: kept in step (by kind), stale, not kept
-                "derived_copies": derived.kinds(self.model),
-                "stale_derived": derived.stale(self.model),
-                "unmanaged": derived.unmanaged(self.model)}
+        return rpc.SetupReply(
+            rank=self.rank_info, sums=sums, mapped=mapped, learn_s=learn_s,
+            sums_s=time.perf_counter() - t0 - learn_s,
+            const={p: c for p, c in self.layout.param_const.items() if c},
+            unwritten={p: c for p, c in self.layout.param_unwritten.items() if c},
+            derived=self.layout.derived(),
+            # kernels' private copies of weights: kept in step (by kind), stale, not kept
+            derived_copies=derived.kinds(self.model), stale_derived=derived.stale(self.model),
+            unmanaged=derived.unmanaged(self.model))
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)
@@ -178,19 +174,18 @@ class RankReplica:
 
     # ------------------------------------------------------------ the apply protocol
 
-    def gather(self, apply_id: str, positions: Mapping[str, bytes]) -> dict[str, Any]:
-        """Locate HF positions on this rank; return {name: (held index or None=all, old bits)}."""
+    def gather(self, apply_id: str, positions: Mapping[str, np.ndarray]) -> rpc.GatherReply:
+        """Locate HF flat positions on this rank; return the old bits of those it holds."""
         layout = self._layout()
         params = self._params()
         self._plan, self._plan_id = {}, apply_id
         t0 = time.perf_counter()
-        out: dict[str, tuple[bytes | None, bytes]] = {}
+        out: dict[str, rpc.Held] = {}
         for name, pb in positions.items():
             tm = layout.tensors.get(name)
             if tm is None:
                 raise ReplicaError(f"{name}: not a tensor of this model's layout")
-            pos = torch.from_numpy(
-                np.frombuffer(pb, dtype=index_dtype(tm.hf_numel)).astype(np.int64))
+            pos = torch.from_numpy(np.asarray(pb).reshape(-1).astype(np.int64))
             if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
                 raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
             idt = dtypes.info(tm.hf_dtype).int_dtype
@@ -222,15 +217,15 @@ class RankReplica:
                 plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
             self._plan[name] = (pos.numel(), plan)
             if complete or (held is not None and bool(held.all())):
-                out[name] = (None, old_bits.numpy().tobytes())
+                out[name] = rpc.Held(None, old_bits.numpy())
             else:
                 idx = (held.nonzero().squeeze(1) if held is not None
                        else torch.zeros(0, dtype=torch.int64))
-                out[name] = (idx.numpy().astype(index_dtype(pos.numel())).tobytes(),
-                             old_bits[idx].numpy().tobytes())
-        return {"old": out, "seconds": time.perf_counter() - t0}
+                out[name] = rpc.Held(idx.numpy().astype(rpc.index_dtype(pos.numel())),
+                                     old_bits[idx].numpy())
+        return rpc.GatherReply(out, time.perf_counter() - t0)
 
-    def write(self, apply_id: str, values: Mapping[str, bytes]) -> dict[str, Any]:
+    def write(self, apply_id: str, values: Mapping[str, np.ndarray]) -> rpc.WriteReply:
         """Write new bits (every position of each gathered tensor, in gather order)."""
         if apply_id != self._plan_id:
             raise ReplicaError(f"write {apply_id} without a matching gather ({self._plan_id})")
@@ -244,7 +239,7 @@ class RankReplica:
             for name, vb in values.items():
                 tm = layout.tensors[name]
                 hf = dtypes.info(tm.hf_dtype)
-                new_all = dtypes.bits_from_bytes(vb, hf.int_dtype)
+                new_all = torch.from_numpy(np.ascontiguousarray(vb).reshape(-1)).view(hf.int_dtype)
                 if name not in self._plan:
                     raise ReplicaError(f"{name}: values for a tensor that was not gathered")
                 n, plan = self._plan[name]
@@ -282,7 +277,7 @@ class RankReplica:
             raise
         self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
         self._last_write = [(flat, eng) for flat, eng, _ in undo]
-        return {"delta": deltas, "dirty": sorted(dirty), "seconds": time.perf_counter() - t0}
+        return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
 
     def _restore(self, undo, dirty: set[str]) -> None:
         for flat, eng, old in reversed(undo):
@@ -293,21 +288,21 @@ class RankReplica:
             with contextlib.suppress(Exception):
                 self.on_dirty(dirty)
 
-    def undo(self, apply_id: str) -> dict[str, Any]:
+    def undo(self, apply_id: str) -> rpc.Done:
         if apply_id != self._undo_id:
             raise ReplicaError(f"nothing to undo for {apply_id}")
         self._restore(self._undo, self._dirty)
         self._undo, self._undo_id, self._dirty = [], None, set()
-        return {"undone": apply_id}
+        return rpc.Done(apply_id, undone=True)
 
-    def commit(self, apply_id: str) -> dict[str, Any]:
+    def commit(self, apply_id: str) -> rpc.Done:
         if apply_id == self._undo_id:
             self._undo, self._undo_id, self._dirty = [], None, set()
         if apply_id == self._plan_id:
             self._plan, self._plan_id = {}, None
-        return {"committed": apply_id}
+        return rpc.Done(apply_id)
 
-    def baseline(self, repeat: int = 3) -> dict[str, Any]:
+    def baseline(self, repeat: int = 3) -> rpc.BaselineReply:
         """Benchmark baseline: the best time of a bare ``index_put_`` of the last write's values
         at the same engine positions of the same tensors (rewrites identical bits)."""
         if not self._last_write:
@@ -321,11 +316,11 @@ class RankReplica:
             if vals and vals[0].device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
-        return {"index_put_s": best, "elements": sum(int(e.numel()) for _, e in self._last_write)}
+        return rpc.BaselineReply(best, sum(int(e.numel()) for _, e in self._last_write))
 
     # ------------------------------------------------------------ the engine's own loader
 
-    def load(self, items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    def load(self, items: Iterable[tuple[str, torch.Tensor]]) -> rpc.LoadReply:
         """Load whole tensors through the model's own `load_weights` (fallback and snapshots)."""
         t0 = time.perf_counter()
         items = list(items)
@@ -338,9 +333,9 @@ class RankReplica:
             dirty = set(self._params())
         self.on_dirty(dirty)
         self._plan, self._plan_id = {}, None
-        return {"loaded": len(items), "seconds": time.perf_counter() - t0}
+        return rpc.LoadReply(len(items), time.perf_counter() - t0)
 
-    def load_files(self, files: Iterable[str]) -> dict[str, Any]:
+    def load_files(self, files: Iterable[str]) -> rpc.LoadReply:
         """Load every tensor of these safetensors files (a snapshot) through the model's loader."""
         from safetensors import safe_open
 
@@ -350,27 +345,47 @@ class RankReplica:
                 items.extend((k, sf.get_tensor(k)) for k in sf.keys())  # noqa: SIM118
         return self.load(items)
 
-    def dispatch(self, method: str, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """One entry point for engine RPC adapters: method name + keyword payload."""
-        if method == "setup":
-            return self.setup(payload["shapes"])
-        if method == "sums":
-            return {"sums": self.sums(payload.get("names")),
-                    "stale_derived": derived.stale(self.model)}
-        if method == "gather":
-            return self.gather(payload["id"], payload["positions"])
-        if method == "write":
-            return self.write(payload["id"], payload["values"])
-        if method == "undo":
-            return self.undo(payload["id"])
-        if method == "commit":
-            return self.commit(payload["id"])
-        if method == "load":
-            return self.load((n, dtypes.from_int(dtypes.bits_from_bytes(b, dtypes.info(
-                d).int_dtype), dtypes.info(d).torch_dtype, tuple(s))) for n, d, s, b in
-                payload["tensors"])
-        if method == "baseline":
-            return self.baseline(int(payload.get("repeat", 3)))
-        if method == "load_files":
-            return self.load_files(payload["files"])
-        raise ReplicaError(f"unknown method {method!r}")
+    def put(self, values: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """Write new bits at HF flat positions ({name: (positions, new values or their integer
+        bits)}) through the one write path (gather, write with read-back and derived-copy checks,
+        commit), without a coordinator's checks against a manifest: tests and debugging."""
+        layout = self._layout()
+        positions, new = {}, {}
+        for name, (pos, vals) in values.items():
+            tm = layout.tensors[name]
+            positions[name] = np.asarray(pos).reshape(-1).astype(rpc.index_dtype(tm.hf_numel))
+            v = torch.as_tensor(vals).reshape(-1)
+            new[name] = (dtypes.int_view(v) if v.is_floating_point() else v).numpy()
+        aid = f"put-{time.monotonic_ns()}"
+        self.gather(aid, positions)
+        written = sum(int(eng.numel()) for _, plan in self._plan.values()
+                      for _, eng, *_ in plan)
+        out = self.write(aid, new)
+        self.commit(aid)
+        return {"written": written, "params": out.dirty}
+
+    def handle(self, req: rpc.Request) -> rpc.Reply:
+        """One entry point for engine RPC adapters: a typed request in, its reply out."""
+        match req:
+            case rpc.Setup(shapes):
+                return self.setup(shapes)
+            case rpc.Sums(names):
+                return rpc.SumsReply(self.sums(names), derived.stale(self.model))
+            case rpc.Gather(aid, positions):
+                return self.gather(aid, positions)
+            case rpc.Write(aid, values):
+                return self.write(aid, values)
+            case rpc.Undo(aid):
+                return self.undo(aid)
+            case rpc.Commit(aid):
+                return self.commit(aid)
+            case rpc.Load(tensors):
+                return self.load((n, dtypes.from_int(
+                    torch.from_numpy(np.ascontiguousarray(bits).reshape(-1)).view(
+                        dtypes.info(d).int_dtype), dtypes.info(d).torch_dtype, tuple(shape)))
+                    for n, (d, shape, bits) in tensors.items())
+            case rpc.LoadFiles(files):
+                return self.load_files(files)
+            case rpc.Baseline(repeat):
+                return self.baseline(repeat)
+        raise ReplicaError(f"not a rank request: {type(req).__name__}")

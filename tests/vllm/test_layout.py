@@ -89,9 +89,8 @@ def _random_change(weights: dict[str, torch.Tensor], frac=0.01, seed=1):
 
 
 def _chunks(change):
-    """Patch chunks as raw bytes (what also crosses collective_rpc with worker processes)."""
-    return [(n, pos.numpy().tobytes(), new.view(torch.int16).numpy().tobytes())
-            for n, (pos, new) in change.items()]
+    """[(name, positions, new integer bits)] as numpy arrays, for the worker's `stitch_apply`."""
+    return [(n, pos.numpy(), new.view(torch.int16).numpy()) for n, (pos, new) in change.items()]
 
 
 def _changed_checkpoint(src, dst, change):
@@ -246,8 +245,8 @@ def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
     the kept masters; nothing takes the loader fallback), a published patch applies and
     verifies, and the engine then answers like a fresh engine on the new checkpoint."""
     import asyncio
-    import pickle
 
+    from stitch_core.engine import rpc
     from stitch_core.engine.coordinator import Coordinator
     from stitch_core.versions.board import LocalBoard
     from stitch_core.versions.materialize import pull
@@ -266,12 +265,12 @@ def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
 
     llm = _engine(tmp_path / "v0")
     try:
-        async def rpc(method, payload):
-            return [pickle.loads(r) for r in llm.collective_rpc(
-                "stitch_call", args=(method, pickle.dumps(payload)))]
+        async def call(req):
+            return [rpc.decode(r) for r in llm.collective_rpc("stitch_call",
+                                                              args=(rpc.encode(req),))]
 
         async def follow():
-            coord = Coordinator(rpc, run="moe")
+            coord = Coordinator(call, run="moe")
             assert await coord.start(str(tmp_path / "v0")) == 0
             assert coord.fallback == {}
             m = await read_manifest(board, "moe", 1)
@@ -293,6 +292,20 @@ def test_moe_follows_a_run_through_the_coordinator(ckpts, tmp_path):
         _shutdown(fresh)
 
 
+def _write_without_repacking(worker, chunks):
+    """A write path that forgets to re-pack (what the plugin's apply did for a tied lm_head):
+    new bits straight into the parameters through the layout map, nothing else."""
+    rep = worker._stitch_replica()
+    params = L.engine_params(worker.model_runner.get_model())
+    for name, pos, bits in chunks:
+        pos = torch.from_numpy(pos)
+        bits = torch.from_numpy(bits)
+        for seg in rep.layout.tensors[name].segments:
+            ok, eng = seg.locate(pos)
+            flat = params[seg.param].data.view(-1)
+            flat.view(torch.int16)[eng] = bits[ok]
+
+
 def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):
     """The check that would have caught the tied lm_head bug: patch the weights of a tied model
     without re-packing. Where vLLM packs (AVX-512 / AMX hosts), the derived-copy check names the
@@ -304,7 +317,7 @@ def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):
         kinds = llm.collective_rpc("stitch_derived_report")[0]["kinds"]
         record_cpu_path(kinds)
         llm.collective_rpc("stitch_learn_layout")
-        llm.collective_rpc("stitch_apply", args=(_chunks(change),), kwargs={"repack": False})
+        llm.collective_rpc(_write_without_repacking, args=(_chunks(change),))
         stale = llm.collective_rpc("stitch_derived_report")[0]["stale"]
         res = llm.collective_rpc("stitch_apply", args=(_chunks(change),))[0]  # same bits again
         after = llm.collective_rpc("stitch_derived_report")[0]["stale"]

@@ -1,0 +1,178 @@
+"""The coordinator <-> rank RPC as typed messages (pure: dataclasses and numpy arrays, no I/O).
+
+The coordinator sends one request to every tensor-parallel rank of its engine and gets one reply
+per rank, in rank order. Engine adapters carry the messages as they are: both transports already
+pickle (vLLM's `collective_rpc`, SGLang's control request), so arrays travel with their dtype and
+shape and nothing on either side agrees on a byte convention. Requests name what they carry;
+replies are what `RankReplica` returns, read by attribute.
+
+Positions and held indices are int32 when the tensor has fewer than 2**31 elements (what
+`index_dtype` picks; the arrays say which), values are the served dtype's integer bits.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "Held", "GatherReply", "Write",
+           "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Baseline",
+           "BaselineReply", "Request", "Reply", "index_dtype", "encode", "decode"]
+
+
+def index_dtype(bound: int) -> type[np.signedinteger]:
+    """dtype of positions / indices below `bound`: int32 when they fit, else int64."""
+    return np.int32 if bound <= 2**31 else np.int64
+
+
+# ------------------------------------------------------------------ start-up and full checks
+@dataclass(frozen=True)
+class Setup:
+    """Learn the layout of these served-view tensors ({name: (shape, dtype name)}) and prove it."""
+
+    shapes: dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class SetupReply:
+    """A rank's layout and full sums: per tensor the sum of h over every copy it holds
+    (`sums`) and the elements it maps (`mapped`); parameters a loader wrote constants into
+    (`const`) or never wrote (`unwritten`), parameters no loader writes (`derived`), kernels'
+    copies of weights kept in step by kind (`derived_copies`), stale ones (`stale_derived`) and
+    closures over state no adapter registered (`unmanaged`)."""
+
+    rank: dict[str, Any]
+    sums: dict[str, int]
+    mapped: dict[str, int]
+    learn_s: float
+    sums_s: float
+    const: dict[str, int] = field(default_factory=dict)
+    unwritten: dict[str, int] = field(default_factory=dict)
+    derived: list[str] = field(default_factory=list)
+    derived_copies: dict[str, int] = field(default_factory=dict)
+    stale_derived: list[str] = field(default_factory=list)
+    unmanaged: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Recompute the full per-copy sums of `names` (None: every tensor)."""
+
+    names: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class SumsReply:
+    sums: dict[str, int]
+    stale_derived: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ one apply
+@dataclass(frozen=True)
+class Gather:
+    """Apply `id`, step 1: locate these HF flat positions per tensor and return their old bits."""
+
+    id: str
+    positions: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Old bits of the positions a rank holds: `index` into the request's positions (None: all
+    of them, in order) and their `bits`."""
+
+    index: np.ndarray | None
+    bits: np.ndarray
+
+
+@dataclass(frozen=True)
+class GatherReply:
+    old: dict[str, Held]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Write:
+    """Apply `id`, step 2: new bits for every gathered position of each tensor, in gather order."""
+
+    id: str
+    values: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class WriteReply:
+    """Per tensor the fingerprint delta of what is in memory now over every copy the rank holds
+    (`delta`), the engine parameters written (`dirty`)."""
+
+    delta: dict[str, int]
+    dirty: list[str]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Undo:
+    id: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    id: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Reply to Undo / Commit."""
+
+    id: str
+    undone: bool = False
+
+
+# ------------------------------------------------------------------ the engine's own loader
+@dataclass(frozen=True)
+class Load:
+    """Load whole tensors through the model's `load_weights`: {name: (dtype name, shape, bits)}."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]]
+
+
+@dataclass(frozen=True)
+class LoadFiles:
+    """Load every tensor of these safetensors files (a snapshot) through the model's loader."""
+
+    files: list[str]
+
+
+@dataclass(frozen=True)
+class LoadReply:
+    loaded: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Benchmarks: time a bare `index_put_` of the last write (best of `repeat`)."""
+
+    repeat: int = 3
+
+
+@dataclass(frozen=True)
+class BaselineReply:
+    index_put_s: float
+    elements: int
+
+
+Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Baseline
+Reply = SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | BaselineReply
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """The bytes an adapter's transport carries (the engine's own channel, between its own
+    processes: pickle, as both engines' RPCs already use)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(blob: bytes) -> Any:
+    return pickle.loads(blob)

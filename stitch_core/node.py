@@ -142,15 +142,15 @@ class EngineFollower:
             try:
                 await self.coord(step, path)
             except EngineStateError:
-                check = await self.coord.verify()
-                if not check["ok"]:
-                    self.follower.version = None  # reload from a snapshot on the next round
+                # a failed full check leaves the coordinator holding nothing provable: the
+                # follower (which reads the held version from it) reloads a snapshot next round
+                await self.coord.verify()
                 raise
 
         self.follower = Follower(
             s.board, run, apply, version=version, nats=s.nats_url, cache_dir=s.cache_dir,
             reconcile_interval=s.reconcile_interval, engine_id=s.engine_id, url=s.engine_url,
-            region=s.region, on_latest=self.gate.set_latest)
+            region=s.region, on_latest=self.gate.set_latest, held=lambda: self.coord.version)
         self.gate.catch_up = self.follower.wait_for
         await self.follower.start()
         if s.verify_interval > 0:
@@ -162,8 +162,7 @@ class EngineFollower:
             with contextlib.suppress(Exception):
                 check = await self.coord.verify()
                 if not check["ok"] and self.follower is not None:
-                    self.follower.version = None
-                    self.follower._wake.set()
+                    self.follower.recheck()
 
     def status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_name, "model_dir": self.model_dir}

@@ -214,7 +214,7 @@ class Coordinator:
         self.version = v
         if self.gate is not None:
             if v is None:
-                self.gate.version = None
+                self.gate.clear_version()
             else:
                 self.gate.set_version(v)
         if self.metrics is not None and v is not None:
@@ -227,7 +227,7 @@ class Coordinator:
         if step.kind == "snapshot":
             await self.load_snapshot(step.manifest, path)
         else:
-            await self.apply_patch(step.manifest, list(step.paths or [path]))
+            await self.apply_patch(step.manifest, step.patch_parts or [path])
 
     async def apply_patch(self, m: Manifest, paths: list[Path]) -> dict[str, Any]:
         async with self._lock:

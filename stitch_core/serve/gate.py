@@ -175,6 +175,11 @@ class VersionGate:
         self.metrics.set_version(self.version, self.latest)
         self._wake()
 
+    def clear_version(self) -> None:
+        """The engine no longer holds a version it can prove (a failed full check): requests are
+        refused (`not_ready`) until `set_version`."""
+        self.version = None
+
     async def wait_version(self) -> int:
         """Wait (event-driven) until the engine holds a verified version; return it."""
         self._bind_loop()

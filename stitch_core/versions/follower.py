@@ -42,12 +42,16 @@ class Follower:
                  cache_dir: str | os.PathLike | None = None, reconcile_interval: float = 5.0,
                  heartbeat_interval: float = 2.0, engine_id: str | None = None,
                  url: str | None = None, region: str | None = None, max_chain: int = 64,
-                 on_latest: Callable[[int], None] | None = None):
+                 on_latest: Callable[[int], None] | None = None,
+                 held: Callable[[], int | None] | None = None):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
-        self.version = version
-        self.latest: int | None = version
+        # the held version has one owner: the apply target when it proves what it holds (an
+        # engine's coordinator: `held`), else this follower, which sets it after each step
+        self._held = held
+        self._version = version
+        self.latest: int | None = self.version
         self.nats_url = nats
         self.cache = Path(cache_dir or Path(tempfile.gettempdir()) / "stitch-cache")
         self.reconcile_interval = reconcile_interval
@@ -70,6 +74,18 @@ class Follower:
         self._lock = asyncio.Lock()
 
     # -------------------------------------------------------------- state
+
+    @property
+    def version(self) -> int | None:
+        """The version the apply target holds now (None: nothing proven)."""
+        return self._held() if self._held is not None else self._version
+
+    def recheck(self) -> None:
+        """What the target holds changed outside a step (e.g. a failed full check left it
+        holding nothing provable): forget our own record, if we keep one, and re-plan now."""
+        if self._held is None:
+            self._version = None
+        self._wake.set()
 
     @property
     def state(self) -> str:
@@ -185,7 +201,8 @@ class Follower:
             steps = await plan(self.board, self.run, self.version, target, self.max_chain)
             for step in steps:
                 t_fetch = time.perf_counter()
-                path = await self._fetch(step)
+                step = await self._fetch(step)
+                path = step.files[0]
                 self.applying = True
                 self._beat.set()
                 t0 = time.perf_counter()
@@ -195,9 +212,8 @@ class Follower:
                     self.last_error = f"v{step.version} rejected: {e}"
                     log.error("follower %s: %s; still at v%s", self.id, self.last_error,
                               self.version)
-                    if step.kind == "patch":
-                        for p in step.paths or [path]:
-                            p.unlink(missing_ok=True)  # refetch next time
+                    for p in step.patch_parts:
+                        p.unlink(missing_ok=True)  # refetch next time
                     raise
                 finally:
                     self.applying = False
@@ -208,7 +224,12 @@ class Follower:
                     "apply_s": t1 - t0, "announced_at": self._announced_at.pop(step.version, None),
                     "current_at": t1})
                 self.patch_bytes_total += step.manifest.patch_bytes if step.kind == "patch" else 0
-                self.version = step.version
+                if self._held is None:
+                    self._version = step.version
+                elif self.version != step.version:
+                    self.last_error = (f"v{step.version}: applied, but the target holds "
+                                       f"v{self.version}")
+                    raise RuntimeError(self.last_error)
                 self.applied.append(step.version)
                 self.last_error = None
                 self._beat.set()
@@ -217,14 +238,13 @@ class Follower:
                 log.info("follower %s: now at %s v%d (%s)", self.id, self.run, step.version,
                          step.kind)
 
-    async def _fetch(self, step: Step) -> Path:
+    async def _fetch(self, step: Step) -> Step:
         m = step.manifest
         if step.kind == "patch":
-            step.paths = await fetch_patch(self.board, m, self.cache)
-            return step.paths[0]
+            return step.fetched(await fetch_patch(self.board, m, self.cache))
         paths = [await fetch_object(self.board, m, ref, self.cache)
                  for ref in m.objects if ref.role != "patch"]
-        return paths[0].parent
+        return step.fetched([paths[0].parent])
 
     async def wait_for(self, version: int, timeout: float) -> bool:
         """Wait up to `timeout` s until the held version is >= `version` (waking the loop)."""
@@ -251,7 +271,7 @@ class MemoryReplica:
         self.digest: str | None = None
 
     async def __call__(self, step: Step, path: Path) -> None:
-        await asyncio.to_thread(self._apply, step.manifest, step.kind, path, step.paths)
+        await asyncio.to_thread(self._apply, step.manifest, step.kind, path, step.patch_parts)
 
     def _apply(self, m: Manifest, kind: str, path: Path, parts: list[Path] | None = None) -> None:
         want = m.fingerprints

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 from pydantic import ValidationError
 
@@ -88,17 +90,40 @@ async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -
     return dest
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
-    """One move of a follower: load a snapshot, or apply a patch on top of `manifest.parent`."""
+    """One move of a follower: load the snapshot `manifest` describes (`kind` "snapshot"), or
+    apply its patch on top of `manifest.parent` ("patch"). `files` is empty as planned; a fetched
+    step (`fetched`) carries its local files: the patch's parts in order, or the snapshot's
+    directory."""
 
-    kind: str  # "snapshot" | "patch"
+    kind: Literal["snapshot", "patch"]
     manifest: Manifest
-    paths: list[Path] | None = None  # local files of the patch (parts), once fetched
+    files: tuple[Path, ...] = ()
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def fetched(self, files: Iterable[Path]) -> Step:
+        """This step with its local files."""
+        return replace(self, files=tuple(files))
+
+    @property
+    def patch_parts(self) -> list[Path]:
+        """A fetched patch step's files, in part order ([] for a snapshot or before fetching)."""
+        return list(self.files) if self.kind == "patch" else []
+
+    @property
+    def snapshot_dir(self) -> Path | None:
+        """A fetched snapshot step's directory (None for a patch or before fetching)."""
+        return self.files[0] if self.kind == "snapshot" and self.files else None
+
+    @property
+    def paths(self) -> list[Path] | None:
+        """The patch's parts once fetched (None otherwise); kept for one release, as
+        `patch_parts`."""
+        return self.patch_parts or None
 
 
 async def plan(board: Board, run: str, have: int | None, target: int,

@@ -18,6 +18,9 @@ It ignores where the master sits inside its rounding interval, so it misses the 
 happen to cross a nearby boundary; ``expected`` = mean(min(1, |update| / ULP)) is the fraction for
 masters placed uniformly in their interval. The measured count is the truth: a served element
 changes exactly when its master crossed a rounding boundary (or its fp8 scale moved).
+
+Long on purpose (about 660 lines): an experiment driver (`stitch analyze`), training loop,
+measurement and report together.
 """
 
 from __future__ import annotations

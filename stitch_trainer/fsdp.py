@@ -16,6 +16,9 @@ every rank builds the same manifest locally.
 Limits (docs/adapters/fsdp2.md): bf16/fp16 views only (fp8 raises NotImplementedError), only the
 first version is a snapshot (followers catch up through chains of patches), publish is synchronous,
 placements must be Shard(0) or Replicate (FSDP2, HSDP).
+
+Long on purpose (about 570 lines): the sharded publisher and its per-rank protocol (who
+writes which part, when the manifest is assembled) read as one.
 """
 
 from __future__ import annotations

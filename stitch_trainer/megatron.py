@@ -23,6 +23,9 @@ The rules per architecture are a table (`ARCHS`, see `LLAMA`, `QWEN2`, `QWEN3`) 
 A local tensor maps to HF tensors as a few `Placement`s (repeated row runs plus a column offset),
 so positions are translated with integer arithmetic on whole tensors (`map_positions`).
 Layer names carry the stage-local index; ``global = layout.layer_offset(pp_rank) + local``.
+
+Long on purpose (about 800 lines): the Megatron -> HF mapping tables per architecture, one
+place to read and extend them.
 """
 
 from __future__ import annotations

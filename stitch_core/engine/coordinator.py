@@ -25,6 +25,9 @@ no loader writes (computed from other weights after loading, e.g. MLA's absorbed
 patch could not keep it in step. Either refuses the start, naming them, unless the loader
 fallback is opted into: then a transformed tensor goes through the engine's own loader with the
 reconstructed tensor (kept on the host here), unverified, and both are logged by name.
+
+Long on purpose (about 470 lines): one apply is one transaction (gather, decode, prove, write,
+check, commit or undo); splitting its steps over modules would hide the order that makes it safe.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ engine's weights; the coordinator detects that at start-up with fingerprints
 (``stitch_core.engine.coordinator``) and refuses to follow, naming the tensor, unless the loader
 fallback is opted into (``STITCH_LOADER_FALLBACK=1``: that tensor is then updated, unverified,
 through the engine's own loader).
+
+Long on purpose (about 470 lines): learning the map and its run encoding are one algorithm
+(the numba scans read what the shadows hold).
 """
 
 from __future__ import annotations

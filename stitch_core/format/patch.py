@@ -3,6 +3,9 @@
 Every tensor of both versions appears in the patch header with its fingerprints, so `apply`
 proves the whole result, not just the changed tensors: a wrong base, a wrong model or a corrupt
 payload is rejected with a PatchError and nothing is returned (or, in place, everything undone).
+
+Long on purpose (about 600 lines): the builder and the appliers share the chunk layout, the
+decoder and the whole-state checks, which must stay one definition.
 """
 
 from __future__ import annotations

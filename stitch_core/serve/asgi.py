@@ -7,6 +7,9 @@ admitted version, and marks the answer with the versions that produced it: respo
 ``"stitch"`` field in the JSON body, or, for SSE streams, one extra chunk right before
 ``data: [DONE]``. ``GET /stitch/status`` is answered here. Other paths and scope types pass
 through; override `lifespan` to hook startup/shutdown.
+
+Slightly over 400 lines: the middleware's request, streaming and stamping paths share one
+state machine per request.
 """
 
 from __future__ import annotations

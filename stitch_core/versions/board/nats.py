@@ -11,6 +11,9 @@ writers racing on one key cannot replace each other's object. `put` returns only
 acknowledged every chunk and the metadata, i.e. the object is stored (with file storage, on disk
 per the server's sync policy; replicated to a quorum on a clustered stream). `move_latest` is a
 KV compare-and-swap on the entry's revision.
+
+Long on purpose (about 450 lines): one backend, object store + KV + announcements, with its
+connection handling.
 """
 
 from __future__ import annotations

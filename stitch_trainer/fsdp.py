@@ -43,27 +43,23 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
-from stitch_core.format.checkpoint import Checkpoint, open_checkpoint, save_shard, write_index
+from stitch_core.format.checkpoint import Checkpoint, open_checkpoint
 from stitch_core.format.patch import PatchBuilder
 from stitch_core.format.views import parse_view, project
-from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.board import Board
 from stitch_core.versions.manifest import (
     Latest,
     Manifest,
     ObjectRef,
-    TensorInfo,
-    announcement,
-    check_run,
     manifest_key,
     version_dir,
 )
 from stitch_core.versions.store import now, object_ref, read_manifest, write_version
 
-from ._io import IOLoop
-from .publisher import SIDE_FILES, VersionInfo
+from .base import SIDE_FILES, PublisherBase, Row, shard_names
+from .publisher import VersionInfo
 
 log = logging.getLogger("stitch.fsdp")
-Row = tuple[str, str, tuple[int, ...], int]  # name, dtype, global shape, fingerprint
 
 
 class PublishError(StitchError, RuntimeError):
@@ -152,7 +148,7 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-class FSDPPublisher:
+class FSDPPublisher(PublisherBase):
     """Publishes versions of an FSDP2-sharded model from every rank of `group` (default: world).
 
     Call `start_from(checkpoint)` once, then `publish(step, model)` on every rank after each
@@ -177,7 +173,6 @@ class FSDPPublisher:
         config_dir: str | Path | None = None,
         spool_dir: str | Path | None = None,
     ):
-        self.run = check_run(run)
         v = parse_view(view)
         if v.kind == "fp8-e4m3":
             raise NotImplementedError(
@@ -188,7 +183,6 @@ class FSDPPublisher:
             raise RuntimeError(
                 f"{type(self).__name__} needs an initialised torch.distributed process group"
             )
-        self.view = v.name
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -197,15 +191,11 @@ class FSDPPublisher:
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.config_dir = Path(config_dir) if config_dir else None
+        # board and NATS I/O on one loop, kept alive between calls
+        super().__init__(board, run, v.name, config_dir=config_dir, io_name="stitch-fsdp-io")
         self._spool = Path(tempfile.mkdtemp(prefix=f"stitch-fsdp-{self.rank}-", dir=spool_dir))
-        self._own_board = isinstance(board, str)
-        self.board = open_board(board) if isinstance(board, str) else board
-        self._io = IOLoop("stitch-fsdp-io")  # board and NATS I/O (kept alive between calls)
-        self._call = self._io.call
-        self._nc = self._js = None
         if nats and self.rank == 0:
-            self._call(self._connect(nats))
+            self._call(self.connect_nats(nats, f"stitch-fsdp-{self.run}"))
         self._published: int | None = None  # last version on the board
         self._next_version = 0
         self._base_ck: Checkpoint | None = None  # where the base rows come from (first publish)
@@ -323,16 +313,9 @@ class FSDPPublisher:
             errors.append("ranks disagree on the model's tensors")
         if errors:
             raise PublishError(f"v{version}: {'; '.join(errors)}")
-        m = self._manifest(
-            version,
-            parent,
-            "patch",
-            step,
-            rows,
-            [ObjectRef(**x["ref"]) for x in metas],
-            sum(x["changed"] for x in metas),
-            metas[0]["created"],
-        )
+        m = self._manifest(version, parent, "patch", step, rows,
+                           [ObjectRef(**x["ref"]) for x in metas],
+                           sum(x["changed"] for x in metas), metas[0]["created"])
         status: tuple[str | None, str] = (None, _sha(m))
         if self.rank == 0:
             try:
@@ -359,15 +342,8 @@ class FSDPPublisher:
         if self._closed:
             return
         self._closed = True
-        self._call(self._shutdown())
-        self._io.stop()
-        shutil.rmtree(self._spool, ignore_errors=True)
-
-    def __enter__(self) -> FSDPPublisher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._call(self.close_io())
+        self.release(self._spool)
 
     # -------------------------------------------------------------- what this rank publishes
 
@@ -410,11 +386,8 @@ class FSDPPublisher:
         """Skip version numbers where a failed publish left this run objects (the board keeps
         them immutable): each rank probes its own part (rank 0 the manifest too)."""
         while True:
-            vdir = version_dir(self.run, version)
-            taken = self._call(self.board.exists(f"{vdir}/part-{self.rank:05d}.stp"))
-            if self.rank == 0 and not taken:
-                taken = self._call(self.board.exists(manifest_key(self.run, version)))
-            if not self._count(taken):
+            names = [f"part-{self.rank:05d}.stp"] + (["manifest.json"] if self.rank == 0 else [])
+            if not self._count(self._call(self.taken(version, names))):
                 return version
             log.warning("%s v%d holds objects of a failed publish: skipping it", self.run, version)
             version += 1
@@ -444,19 +417,6 @@ class FSDPPublisher:
 
     # -------------------------------------------------------------- board side
 
-    async def _connect(self, url: str) -> None:
-        from stitch_core.versions.announce import connect, ensure_streams
-
-        self._nc = await connect(url, name=f"stitch-fsdp-{self.run}")
-        self._js = self._nc.jetstream()
-        await ensure_streams(self._js, self.run)
-
-    async def _shutdown(self) -> None:
-        if self._nc is not None:
-            await self._nc.drain()
-        if self._own_board:
-            await self.board.close()
-
     def _pull(self, version: int) -> Checkpoint:
         from stitch_core.versions.materialize import pull
 
@@ -467,35 +427,13 @@ class FSDPPublisher:
         self._call(coro)
         return open_checkpoint(out)
 
-    def _manifest(
-        self,
-        version: int,
-        parent: int | None,
-        kind: str,
-        step: int | None,
-        rows: list[Row],
-        objects: list[ObjectRef],
-        changed: int | None,
-        created: str,
-    ) -> Manifest:
-        return Manifest(
-            run=self.run,
-            version=version,
-            parent=parent,
-            kind=kind,
-            view=self.view,
-            step=step,
-            created=created,
-            producer=f"stitch-rl {self._producer} publisher ({self.world} parts)",
-            digest=fpr.digest(rows),
-            tensors=[
-                TensorInfo(name=n, dtype=d, shape=list(s), fingerprint=fpr.fmt(fp))
-                for n, d, s, fp in sorted(rows)
-            ],
-            objects=sorted(objects, key=lambda o: o.path),
-            changed_elements=changed,
-            total_elements=sum(math.prod(s) for _, _, s, _ in rows),
-        )
+    def _manifest(self, version: int, parent: int | None, kind: str, step: int | None,
+                  rows: list[Row], objects: list[ObjectRef], changed: int | None,
+                  created: str) -> Manifest:
+        return self.build_manifest(
+            version=version, parent=parent, kind=kind, step=step, rows=rows,
+            objects=sorted(objects, key=lambda o: o.path), changed=changed, created=created,
+            producer=f"stitch-rl {self._producer} publisher ({self.world} parts)")
 
     async def _write_patch_version(self, m: Manifest) -> None:
         """Rank 0, after every part is on the board: the manifest, then `latest`, then NATS."""
@@ -503,7 +441,7 @@ class FSDPPublisher:
         await self.board.move_latest(
             m.run, m.parent, Latest(run=m.run, version=m.version, kind=m.kind, updated=now())
         )
-        await self._announce(m)
+        await self.announce(m)
 
     async def _publish_snapshot(self, ck: Checkpoint, step: int | None) -> Manifest:
         """Rank 0: v0 = the starting checkpoint projected to the view, one source shard at a
@@ -516,48 +454,26 @@ class FSDPPublisher:
             objects = [await asyncio.to_thread(object_ref, p, r) for p, r in roles.items()]
             m = self._manifest(0, None, "snapshot", step, rows, objects, None, now())
             await write_version(self.board, m, files, expected_latest=None)
-            await self._announce(m)
+            await self.announce(m)
             return m
         finally:
             shutil.rmtree(d, ignore_errors=True)
 
     def _write_snapshot(self, ck: Checkpoint, d: Path) -> tuple[dict[str, Path], list[Row]]:
-        meta = {"stitch.run": self.run, "stitch.version": "0", "format": "pt"}
-        shards = ck.shards
         rows: list[Row] = []
-        where: dict[str, str] = {}
-        files: dict[str, Path] = {}
-        total = 0
-        for i, (shard, names) in enumerate(shards.items(), 1):
-            fname = (
-                "model.safetensors"
-                if len(shards) == 1
-                else (f"model-{i:05d}-of-{len(shards):05d}.safetensors")
-            )
-            with safe_open(ck.file(shard), framework="pt") as f:
-                view = project({n: f.get_tensor(n) for n in names}, self.view)
-            for n, t in view.items():
-                rows.append((n, dtypes.info(t.dtype).name, tuple(t.shape), fpr.fingerprint(n, t)))
-                total += t.numel() * t.element_size()
-                where[n] = fname
-            save_shard(view, d / fname, meta)
-            files[fname] = d / fname
-        if len(shards) > 1:
-            write_index(d, where, total)
-            files["model.safetensors.index.json"] = d / "model.safetensors.index.json"
-        side = self.config_dir or (ck.path if ck.is_dir else None)
-        for name in SIDE_FILES if side else ():
-            if (side / name).is_file():
-                shutil.copy2(side / name, d / name)
-                files[name] = d / name
+
+        def shards():  # one source shard in memory at a time
+            for fname, (shard, names) in zip(shard_names(len(ck.shards)), ck.shards.items(),
+                                             strict=True):
+                with safe_open(ck.file(shard), framework="pt") as f:
+                    view = project({n: f.get_tensor(n) for n in names}, self.view)
+                rows.extend((n, dtypes.info(t.dtype).name, tuple(t.shape), fpr.fingerprint(n, t))
+                            for n, t in view.items())
+                yield fname, view
+
+        files = self.write_snapshot_files(shards(), d, 0,
+                                          side_from=ck.path if ck.is_dir else None)
         return files, rows
-
-    async def _announce(self, m: Manifest) -> None:
-        if self._js is None:
-            return
-        from stitch_core.versions.announce import announce
-
-        await announce(self._js, announcement(m, self.board.url))
 
 
 def _sha(m: Manifest) -> str:

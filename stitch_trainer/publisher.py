@@ -23,36 +23,17 @@ from pathlib import Path
 
 import torch
 
-from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
-from stitch_core.format.checkpoint import save_shard, write_index
 from stitch_core.format.patch import PatchBuilder
 from stitch_core.format.views import project
-from stitch_core.versions.board import Board, open_board
-from stitch_core.versions.manifest import (
-    Manifest,
-    TensorInfo,
-    announcement,
-    check_run,
-    version_dir,
-)
-from stitch_core.versions.store import now, object_ref, write_version
+from stitch_core.versions.board import Board
+from stitch_core.versions.manifest import Manifest
+from stitch_core.versions.store import object_ref, write_version
 
-from ._io import IOLoop
+from .base import SIDE_FILES, PublisherBase, rows_of, shard_names
 
 log = logging.getLogger("stitch.publisher")
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
+__all__ = ["Publisher", "VersionInfo", "named_tensors", "SIDE_FILES"]
 
 
 @dataclass
@@ -90,7 +71,10 @@ def named_tensors(src: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str
     return out
 
 
-class Publisher:
+class Publisher(PublisherBase):
+    """Publishes every training step of a single-process model as a version (see the module
+    docstring); the board side is `PublisherBase`'s."""
+
     def __init__(
         self,
         board: str | Board,
@@ -104,18 +88,13 @@ class Publisher:
         spool_dir: str | Path | None = None,
         max_shard_bytes: int = 5 << 30,
     ):
-        self.run = check_run(run)
-        self.view = view
+        super().__init__(board, run, view, config_dir=config_dir, io_name="stitch-publisher-io")
         self.snapshot_every = snapshot_every
-        self.config_dir = Path(config_dir) if config_dir else None
         self.nats_url = nats
         self.max_shard_bytes = max_shard_bytes
         self._spool = Path(spool_dir or tempfile.mkdtemp(prefix="stitch-publish-"))
         self._spool.mkdir(parents=True, exist_ok=True)
-        self._board_arg = board
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
-        self._io = IOLoop("stitch-publisher-io")
-        self._call = self._io.call
         self._prev_view: dict[str, torch.Tensor] | None = None  # projection's pinning source
         self._error: BaseException | None = None
         latest = self._call(self._init())
@@ -184,15 +163,8 @@ class Publisher:
         self.flush()
         self._closed = True
         self._queue.put(None)
-        self._worker.join()
-        self._io.stop()
-        shutil.rmtree(self._spool, ignore_errors=True)
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._worker.join()  # it ran close_io() last
+        self.release(self._spool)
 
     # -------------------------------------------------------------- worker side
 
@@ -200,7 +172,7 @@ class Publisher:
         while True:
             job = self._queue.get()
             if job is None:
-                self._call(self._shutdown())
+                self._call(self.close_io())
                 return
             info, payload = job
             if info is None:
@@ -215,33 +187,17 @@ class Publisher:
                 info._future.set_exception(e)
 
     async def _init(self):
-        self.board = (
-            open_board(self._board_arg) if isinstance(self._board_arg, str) else self._board_arg
-        )
         self._base: tuple[int, dict[str, torch.Tensor], dict[str, int]] | None = None
-        self._js = self._nc = None
         if self.nats_url:
-            from stitch_core.versions.announce import connect, ensure_streams
-
-            self._nc = await connect(self.nats_url, name=f"stitch-publisher-{self.run}")
-            self._js = self._nc.jetstream()
-            await ensure_streams(self._js, self.run)
+            await self.connect_nats(self.nats_url, f"stitch-publisher-{self.run}")
         return await self.board.read_latest(self.run)
 
     async def _first_free(self, version: int) -> int:
-        """Skip numbers where a publish that died before moving `latest` left objects behind
-        (versions are immutable, so they cannot be rewritten)."""
-        while any([await self.board.exists(f"{version_dir(self.run, version)}/{name}")
-                   for name in ("manifest.json", "patch.stp", "model.safetensors")]):
+        """The first version number from `version` that no failed publish left objects in."""
+        while await self.taken(version, ("manifest.json", "patch.stp", "model.safetensors")):
             log.warning("%s v%d holds objects of a failed publish: skipping it", self.run, version)
             version += 1
         return version
-
-    async def _shutdown(self) -> None:
-        if self._nc is not None:
-            await self._nc.drain()
-        if isinstance(self._board_arg, str):
-            await self.board.close()
 
     async def _publish(self, info: VersionInfo, view: dict[str, torch.Tensor]) -> Manifest:
         d = self._spool / f"{info.version:06d}"
@@ -295,38 +251,13 @@ class Publisher:
                         else "side",
                     )
                 )
-        tensors = [
-            TensorInfo(
-                name=n,
-                dtype=dtypes.info(t.dtype).name,
-                shape=list(t.shape),
-                fingerprint=fpr.fmt(fps[n]),
-            )
-            for n, t in sorted(view.items())
-        ]
-        m = Manifest(
-            run=self.run,
-            version=info.version,
-            parent=parent,
-            kind=kind,
-            view=self.view,
-            step=info.step,
-            created=now(),
-            producer="stitch-rl publisher",
-            digest=fpr.digest((t.name, t.dtype, tuple(t.shape), fps[t.name]) for t in tensors),
-            tensors=tensors,
-            objects=objects,
-            changed_elements=changed,
-            total_elements=sum(t.numel() for t in view.values()),
-        )
+        m = self.build_manifest(version=info.version, parent=parent, kind=kind, step=info.step,
+                                rows=rows_of(view, fps), objects=objects, changed=changed)
         info.kind, info.parent = kind, m.parent
         await write_version(self.board, m, files, expected_latest=self._published)
         self._published = info.version
         self._base = (info.version, view, fps)
-        if self._js is not None:
-            from stitch_core.versions.announce import announce
-
-            await announce(self._js, announcement(m, self.board.url))
+        await self.announce(m)
         log.info(
             "published %s v%d (%s, step %s, %s bytes)",
             self.run,
@@ -338,7 +269,7 @@ class Publisher:
         return m
 
     def _write_snapshot(self, view: dict[str, torch.Tensor], d: Path, version: int) -> list[Path]:
-        meta = {"stitch.run": self.run, "stitch.version": str(version), "format": "pt"}
+        """The whole view as a snapshot in `d`, in shards of at most `max_shard_bytes`."""
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name in sorted(view):
@@ -349,24 +280,6 @@ class Publisher:
                 size = 0
             shards[-1][name] = t
             size += nb
-        out: list[Path] = []
-        if len(shards) == 1:
-            p = d / "model.safetensors"
-            save_shard(shards[0], p, meta)
-            out.append(p)
-        else:
-            where = {}
-            for i, sh in enumerate(shards, 1):
-                p = d / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_shard(sh, p, meta)
-                out.append(p)
-                where.update({n: p.name for n in sh})
-            write_index(d, where, sum(t.numel() * t.element_size() for t in view.values()))
-            out.append(d / "model.safetensors.index.json")
-        if self.config_dir:
-            for name in SIDE_FILES:
-                src = self.config_dir / name
-                if src.is_file():
-                    shutil.copy2(src, d / name)
-                    out.append(d / name)
-        return out
+        files = self.write_snapshot_files(zip(shard_names(len(shards)), shards, strict=True),
+                                          d, version)
+        return list(files.values())

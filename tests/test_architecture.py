@@ -64,6 +64,7 @@ PUBLIC = {
     "stitch_trainer.hf": ["StitchCallback"],
     "stitch_trainer.fsdp": ["FSDPPublisher"],
     "stitch_trainer.cli": ["add_publish"],
+    "stitch_trainer.base": ["PublisherBase", "SIDE_FILES", "Row"],
 }
 
 

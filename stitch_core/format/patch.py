@@ -67,6 +67,7 @@ class PatchBuilder:
     def target_fingerprints(self) -> dict[str, int]:
         """{tensor name: fingerprint of its target (new) value}, for the tensors added so far."""
         return {n: fp for n, _, _, fp in self._target_fps}
+
     def _chunk(self, e: codec.EncodedChunk) -> Chunk:
         off, crc = self._w.add_payload(e.pos_bytes, e.val_bytes)
         return Chunk(
@@ -81,6 +82,24 @@ class PatchBuilder:
             val_bytes=len(e.val_bytes),
             crc32=crc,
         )
+
+    def _changes(self, name: str, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+                 dt: dtypes.DTypeInfo, lo: int, hi: int, fp: int) -> tuple[list[Chunk], int]:
+        """The one chunk loop: changes at sorted global positions `pos` (old and new int64
+        bits), in windows of `chunk_span` clamped to the range [lo, hi) the producer holds, and
+        the fingerprint `fp` updated by them."""
+        if not pos.numel():
+            return [], fp
+        fp = fpr.update(fp, name, pos, old, new, dt.itemsize)
+        win = torch.div(pos, self._span, rounding_mode="floor")
+        cuts = [0, *(torch.nonzero(win[1:] != win[:-1]).reshape(-1) + 1).tolist(), pos.numel()]
+        chunks = []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            w = int(win[a]) * self._span
+            s, e = max(w, lo), min(w + self._span, hi)
+            enc = codec.encode_chunk(pos[a:b].cpu().numpy(), old[a:b], new[a:b], dt, s, e)
+            chunks.append(self._chunk(enc))
+        return chunks, fp
 
     def add(
         self,
@@ -135,18 +154,9 @@ class PatchBuilder:
             kind = "full"
         else:
             bv = dtypes.int_view(base)
-            pos_all = torch.nonzero(bv != nv).reshape(-1)
-            target_fp = base_fp
-            bounds = torch.arange(0, nv.numel() + self._span, self._span, device=pos_all.device)
-            cuts = torch.searchsorted(pos_all, bounds.clamp(max=nv.numel())).tolist()
-            for i, (s, e) in enumerate(_spans(nv.numel(), self._span)):
-                pos_t = pos_all[cuts[i] : cuts[i + 1]]
-                if pos_t.numel() == 0:
-                    continue
-                old, nw = bv[pos_t].to(torch.int64), nv[pos_t].to(torch.int64)
-                target_fp = fpr.update(target_fp, name, pos_t, old, nw, dt.itemsize)
-                enc = codec.encode_chunk(pos_t.cpu().numpy(), old, nw, dt, s, e)
-                chunks.append(self._chunk(enc))
+            pos = torch.nonzero(bv != nv).reshape(-1)
+            chunks, target_fp = self._changes(name, pos, bv[pos].to(torch.int64),
+                                              nv[pos].to(torch.int64), dt, 0, nv.numel(), base_fp)
             kind = "patch"
         entry = TensorEntry(
             name=name,
@@ -181,21 +191,9 @@ class PatchBuilder:
         lo, hi = offset, offset + nv.numel()
         if base_fp is None:
             base_fp = fpr.fingerprint(name, base, offset=offset)
-        target_fp = base_fp
-        pos_all = torch.nonzero(bv != nv).reshape(-1)
-        first = lo // self._span * self._span
-        bounds = torch.arange(first, hi + self._span, self._span).clamp(lo, hi) - lo
-        cuts = torch.searchsorted(pos_all, bounds.to(pos_all.device)).tolist()
-        chunks: list[Chunk] = []
-        for i in range(len(cuts) - 1):
-            pos_t = pos_all[cuts[i] : cuts[i + 1]]
-            if pos_t.numel() == 0:
-                continue
-            s, e = int(bounds[i]) + lo, int(bounds[i + 1]) + lo
-            old, nw = bv[pos_t].to(torch.int64), nv[pos_t].to(torch.int64)
-            gpos = pos_t + lo
-            target_fp = fpr.update(target_fp, name, gpos, old, nw, dt.itemsize)
-            chunks.append(self._chunk(codec.encode_chunk(gpos.cpu().numpy(), old, nw, dt, s, e)))
+        local = torch.nonzero(bv != nv).reshape(-1)
+        chunks, target_fp = self._changes(name, local + lo, bv[local].to(torch.int64),
+                                          nv[local].to(torch.int64), dt, lo, hi, base_fp)
         entry = TensorEntry(
             name=name,
             dtype=dt.name,
@@ -226,18 +224,7 @@ class PatchBuilder:
         numel = math.prod(shape)
         if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= numel):
             raise ValueError(f"{name}: position out of range")
-        target_fp = fpr.update(base_fp, name, pos, old, new, dt.itemsize) if pos.numel() \
-            else base_fp
-        chunks: list[Chunk] = []
-        if pos.numel():
-            win = torch.div(pos, self._span, rounding_mode="floor")
-            cuts = [0, *(torch.nonzero(win[1:] != win[:-1]).reshape(-1) + 1).tolist(),
-                    pos.numel()]
-            for a, b in zip(cuts, cuts[1:], strict=False):
-                s = int(win[a]) * self._span
-                e = min(s + self._span, numel)
-                enc = codec.encode_chunk(pos[a:b].numpy(), old[a:b], new[a:b], dt, s, e)
-                chunks.append(self._chunk(enc))
+        chunks, target_fp = self._changes(name, pos, old, new, dt, 0, numel, base_fp)
         entry = TensorEntry(name=name, dtype=dt.name, shape=list(shape), kind="patch",
                             base_fp=fpr.fmt(base_fp), target_fp=fpr.fmt(target_fp),
                             changed=sum(c.count for c in chunks), chunks=chunks)

@@ -65,6 +65,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    """Put the old-path finder first on `sys.meta_path` (once: later calls do nothing)."""
     # first: a submodule of an old package path (`stitch_core.board.local`) would otherwise be
     # found through the aliased package's __path__ and loaded a second time under the old name
     if not any(isinstance(f, _Finder) for f in sys.meta_path):

@@ -32,11 +32,14 @@ WARMUP_HOOK = "sglang.srt.entrypoints.http_server._wait_and_warmup"
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether the plugin is on: STITCH_SGLANG (`env`, default os.environ) is not 0/false/no/off."""
     env = os.environ if env is None else env
     return env.get("STITCH_SGLANG", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def register() -> None:
+    """Register the Stitch RPC types and hooks with SGLang (see the module doc); nothing when the
+    plugin is off or SGLang lacks the plugin API."""
     if not enabled():
         if multiprocessing.parent_process() is None:  # once per server, not per rank
             log.warning("stitch: STITCH_SGLANG=%s: the Stitch plugin is off",

@@ -45,6 +45,8 @@ _WAKE = threading.Event()  # a version is proven, or the server is stopping: war
 
 
 class SglangFollower(EngineFollower):
+    """The follower in SGLang's HTTP process: RPC via the TokenizerManager, in-place pauses."""
+
     engine_name = "sglang"
 
     def __init__(self, tokenizer_manager: Any, settings: Settings, model_dir: str | None = None):

@@ -44,6 +44,7 @@ class StitchCallReqOutput(BaseReq, kw_only=True):
 
 
 def rank_info() -> dict[str, Any]:
+    """This rank's tp/pp rank and size and dp rank, as far as SGLang publishes them."""
     from sglang.srt.runtime_context import get_parallel
 
     p = get_parallel()

@@ -11,6 +11,8 @@ T = TypeVar("T")
 
 
 class IOLoop:
+    """An asyncio event loop running on its own daemon thread (named `name`)."""
+
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)

@@ -509,6 +509,7 @@ def _pct(x: float | None) -> str:
 
 
 def print_table(report: dict, out=None) -> None:
+    """Print an analyze report as text tables to `out` (default stdout)."""
     out = out or sys.stdout
     train = report["mode"] == "train"
     if train:
@@ -589,6 +590,7 @@ def _betas(s: str) -> tuple[float, float]:
 
 
 def cmd_analyze(a: argparse.Namespace) -> int:
+    """`stitch analyze`: patch sparsity from training steps or a board; returns the exit status."""
     if (a.model is None) == (a.board is None):
         raise ValueError("give either MODEL or --board BOARD --run R")
     if a.board is not None:
@@ -625,6 +627,7 @@ def cmd_analyze(a: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `stitch analyze` to the CLI's subparsers."""
     p = sub.add_parser(
         "analyze",
         help="measure served-view patch sparsity per step and tensor group",

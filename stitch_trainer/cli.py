@@ -22,6 +22,7 @@ __all__ = ["add_publish"]
 
 
 def cmd_publish(a: argparse.Namespace) -> int:
+    """`stitch publish`: publish masters as the run's next version; returns the exit status."""
     src = open_checkpoint(a.src)
     masters = {n: src.load(n) for n in src.names()}
     config_dir = a.config_dir or (str(src.path) if src.is_dir else None)

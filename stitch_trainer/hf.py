@@ -33,6 +33,8 @@ from .publisher import Publisher, VersionInfo
 
 
 class StitchCallback(TrainerCallback):
+    """Publishes a version through `publisher` at the end of every `every`-th step."""
+
     def __init__(
         self,
         publisher: Publisher,

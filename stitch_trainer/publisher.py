@@ -38,6 +38,8 @@ __all__ = ["Publisher", "VersionInfo", "named_tensors", "SIDE_FILES"]
 
 @dataclass
 class VersionInfo:
+    """A version `publish` has numbered; `result()` waits until it is on the board."""
+
     run: str
     version: int
     step: int

@@ -15,6 +15,7 @@ log = logging.getLogger("stitch.vllm")
 
 
 def register() -> None:
+    """On vLLM's CPU backend, install the weight keeper and AMX set-up; elsewhere nothing."""
     try:
         from vllm.platforms import current_platform
     except Exception as e:  # pragma: no cover - vLLM missing or broken

@@ -20,6 +20,8 @@ __all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current"]
 
 
 class VllmFollower(EngineFollower):
+    """vLLM's follower (API server): RPC via `collective_rpc`, pauses via `pause_generation`."""
+
     engine_name = "vllm"
 
     def __init__(self, engine_client: Any, settings: Settings, model_dir: str | None = None):

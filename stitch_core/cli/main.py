@@ -26,7 +26,8 @@ from stitch_core.versions.materialize import apply_patches, remove, replace, tmp
 
 
 class CliError(StitchError):
-    pass
+    """Raised for a command-line request that cannot be carried out."""
+
 
 
 def _bar(total: int, desc: str, unit: str = "tensor") -> tqdm:
@@ -38,6 +39,7 @@ def _bar(total: int, desc: str, unit: str = "tensor") -> tqdm:
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
+    """`stitch diff`: write the patch that turns BASE into NEW; returns the exit status."""
     base, new = open_checkpoint(a.base), open_checkpoint(a.new)
     out = Path(a.output)
     tmp = tmp_sibling(out)
@@ -88,6 +90,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
 
 
 def cmd_apply(a: argparse.Namespace) -> int:
+    """`stitch apply`: rebuild and verify PATCH's target from BASE; returns the exit status."""
     t0 = time.perf_counter()
     base = open_checkpoint(a.base)
     out = Path(a.output)
@@ -127,6 +130,7 @@ def cmd_apply(a: argparse.Namespace) -> int:
 
 
 def inspect_summary(reader: PatchReader) -> dict:
+    """A JSON-able description of a patch: header fields, sizes and one row per tensor."""
     h = reader.header
     changed = h.changed_elements
     return {
@@ -162,6 +166,7 @@ def inspect_summary(reader: PatchReader) -> dict:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
+    """`stitch inspect`: describe a patch (a table, or JSON); returns the exit status."""
     with PatchReader(a.patch) as reader:
         s = inspect_summary(reader)
     if a.json:
@@ -196,6 +201,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `stitch` argument parser: patch verbs, version verbs and plugin verbs."""
     p = argparse.ArgumentParser(prog="stitch", description=__doc__)
     p.add_argument("--version", action="version", version=f"stitch-rl {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -238,6 +244,7 @@ def add_plugin_verbs(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `stitch` command line on `argv`; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -28,6 +28,7 @@ def default_cache(a: argparse.Namespace) -> Path:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
+    """`stitch pull`: materialise a version of a run as an HF directory; returns the exit status."""
     async def go() -> Manifest:
         async with open_board(a.board) as board:
             v = None if a.version in (None, "latest") else int(a.version)
@@ -56,6 +57,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_versions(a: argparse.Namespace) -> int:
+    """`stitch versions`: list a run's versions on a board; returns the exit status."""
     async def go():
         async with open_board(a.board) as board:
             return await list_manifests(board, a.run), await board.read_latest(a.run)
@@ -106,6 +108,7 @@ def cmd_versions(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    """`stitch status`: the fleet table from engine heartbeats; returns the exit status."""
     import nats
 
     from stitch_core.versions.announce import fleet
@@ -144,12 +147,14 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
+    """`stitch up`: run the dev stack (nats-server and a board); returns the exit status."""
     from stitch_core.versions.natsserver import run_dev_stack
 
     return run_dev_stack(Path(a.dir), a.port)
 
 
 def cmd_board_serve(a: argparse.Namespace) -> int:
+    """`stitch board serve`: serve a board directory over HTTP; returns the exit status."""
     from stitch_core.versions.board.serve import run_server
 
     run_server(Path(a.dir), a.host, a.port)
@@ -157,6 +162,7 @@ def cmd_board_serve(a: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the version verbs (up, pull, versions, status, board serve) to `sub`."""
     u = sub.add_parser("up", help="start the dev stack: local nats-server (JetStream) + a board")
     u.add_argument("--dir", default="./stitch-dev", help="board + JetStream store directory")
     u.add_argument("--port", type=int, default=4222, help="NATS port (0: any free port)")

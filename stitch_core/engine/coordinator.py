@@ -74,6 +74,7 @@ class EngineStateError(StitchError, RuntimeError):
 
 
 def read_pulled_manifest(model_dir: str | Path) -> Manifest | None:
+    """The manifest `stitch pull` left in `model_dir`, None if it has none."""
     p = Path(model_dir) / PULLED_MANIFEST
     if not p.exists():
         return None
@@ -91,6 +92,8 @@ def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
 
 
 class Coordinator:
+    """Drives one engine's ranks through start-up and each apply, and proves the result."""
+
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
                  after_apply: VersionHook | None = None, loader_fallback: bool = False):

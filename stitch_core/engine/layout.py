@@ -141,6 +141,8 @@ def _locate(hf_start, eng_start, length, pos, ok, eng) -> int:
 
 @dataclass
 class TensorMap:
+    """Where one HF tensor (name, shape, dtype) lives on this rank: its `segments`."""
+
     hf_name: str
     hf_shape: tuple[int, ...]
     hf_dtype: torch.dtype

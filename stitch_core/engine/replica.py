@@ -43,7 +43,8 @@ _LONG_RUN = 1 << 16  # runs at least this long are hashed in place (no index arr
 
 
 class ReplicaError(StitchError, RuntimeError):
-    pass
+    """Raised by a rank for a request it cannot carry out (no layout, bad positions, ...)."""
+
 
 
 _INEXACT = 0x9E3779B97F4A7C15  # added to a sum per engine value that is not a served-view value

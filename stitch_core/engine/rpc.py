@@ -66,6 +66,8 @@ class Sums:
 
 @dataclass(frozen=True)
 class SumsReply:
+    """A rank's full per-copy sums of the tensors asked for, and its stale derived copies."""
+
     sums: dict[str, int]
     stale_derived: list[str] = field(default_factory=list)
 
@@ -90,6 +92,8 @@ class Held:
 
 @dataclass(frozen=True)
 class GatherReply:
+    """Per tensor the old bits of the positions the rank holds (`old`), and the time taken."""
+
     old: dict[str, Held]
     seconds: float
 
@@ -114,11 +118,15 @@ class WriteReply:
 
 @dataclass(frozen=True)
 class Undo:
+    """Apply `id`, abort: restore the bits its write replaced."""
+
     id: str
 
 
 @dataclass(frozen=True)
 class Commit:
+    """Apply `id`, done: forget its undo record and its gather plan."""
+
     id: str
 
 
@@ -147,6 +155,8 @@ class LoadFiles:
 
 @dataclass(frozen=True)
 class LoadReply:
+    """How many tensors went through the model's loader, and the time taken."""
+
     loaded: int
     seconds: float
 
@@ -160,6 +170,8 @@ class Baseline:
 
 @dataclass(frozen=True)
 class BaselineReply:
+    """The best time of the bare `index_put_` and the engine elements it wrote."""
+
     index_put_s: float
     elements: int
 
@@ -175,4 +187,5 @@ def encode(msg: Request | Reply) -> bytes:
 
 
 def decode(blob: bytes) -> Any:
+    """The message `encode` turned into `blob`."""
     return pickle.loads(blob)

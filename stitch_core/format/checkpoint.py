@@ -23,11 +23,15 @@ INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(StitchError, ValueError):
-    pass
+    """Raised when a checkpoint cannot be opened or read."""
+
 
 
 @dataclass
 class Checkpoint:
+    """An opened checkpoint (one file or an HF directory): the shard file of each tensor, and the
+    `__metadata__` of the file (of its first shard, for a directory)."""
+
     path: Path
     is_dir: bool
     where: dict[str, str]  # tensor name -> shard file name
@@ -103,6 +107,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write `tensors` to the safetensors file `path` with `metadata`, and fsync it."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -116,5 +121,6 @@ def copy_side_files(src: Path, dst: Path) -> None:
 
 
 def write_index(dst: Path, where: dict[str, str], total_size: int) -> None:
+    """Write `dst`'s index file: `total_size` and the weight map `where`, sorted."""
     body = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(where.items()))}
     (dst / INDEX).write_text(json.dumps(body, indent=2) + "\n")

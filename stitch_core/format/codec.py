@@ -64,6 +64,9 @@ class Context:
 
 @dataclass
 class EncodedChunk:
+    """One coded chunk: span [start, stop), `count` changed positions, the position and value
+    encodings (and value context), and both payloads."""
+
     start: int
     stop: int
     count: int
@@ -191,6 +194,8 @@ def ulp_apply_torch(v: torch.Tensor, old: torch.Tensor, dt: DTypeInfo) -> torch.
 
 
 def encode_positions(pos: np.ndarray, start: int, stop: int) -> tuple[str, bytes]:
+    """Code sorted absolute positions in [start, stop): `all` when every position is there, else
+    `gaps` or `bitmap`, whichever is smaller. Returns (encoding, bytes)."""
     k, n = pos.shape[0], stop - start
     if k == n:
         return "all", b""
@@ -206,6 +211,8 @@ def encode_positions(pos: np.ndarray, start: int, stop: int) -> tuple[str, bytes
 def decode_positions(
     enc: str, data: bytes | memoryview, start: int, stop: int, k: int
 ) -> np.ndarray:
+    """The `k` sorted absolute positions (int64) in [start, stop) coded as `enc` in `data`.
+    Raises CodecError."""
     n = stop - start
     if enc == "all":
         if k != n or len(data):
@@ -297,6 +304,8 @@ def decode_values(
     dt: DTypeInfo,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
+    """Inverse of encode_values: `k` new sign-extended int64 bits from `data` and the `old` bits,
+    on `device`. Raises CodecError."""
     if enc not in VAL_ENCODINGS:
         raise CodecError(f"unknown value encoding {enc!r}")
     cvec = None

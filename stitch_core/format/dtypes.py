@@ -15,6 +15,8 @@ import torch
 
 @dataclass(frozen=True)
 class DTypeInfo:
+    """A supported element type: its safetensors name, torch dtype, integer view and bit widths."""
+
     name: str  # safetensors dtype string
     torch_dtype: torch.dtype
     int_dtype: torch.dtype  # same-width signed integer view

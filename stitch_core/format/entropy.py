@@ -42,11 +42,13 @@ def tokenize(u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def token_extra_bits(tokens: np.ndarray) -> np.ndarray:
+    """The number of raw extra bits each token carries (uint8)."""
     t = tokens.astype(np.int64)
     return np.where(t < 16, 0, (t - 16) // 4 + 2).astype(np.uint8)
 
 
 def detokenize(tokens: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """(tokens, extra values) -> u (uint64): the inverse of `tokenize`."""
     out = np.empty(tokens.shape[0], dtype=np.uint64)
     _detokenize(np.ascontiguousarray(tokens), np.ascontiguousarray(extra, np.uint64), out)
     return out

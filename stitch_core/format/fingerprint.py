@@ -37,6 +37,7 @@ _BLOCK = 1 << 22  # elements hashed per step, bounds temporary memory
 
 
 def seed_of(name: str) -> int:
+    """The seed of tensor `name`: CRC-32 of its UTF-8 bytes."""
     return zlib.crc32(name.encode("utf-8")) & MASK32
 
 
@@ -171,6 +172,7 @@ def update(
 
 
 def fmt(fp: int) -> str:
+    """A fingerprint as 16 lower-case hex digits."""
     return f"{fp & MASK64:016x}"
 
 
@@ -183,8 +185,10 @@ def digest(entries: Iterable[tuple[str, str, tuple[int, ...], int]]) -> str:
 
 
 def state_fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """{name: fingerprint} of every tensor."""
     return {name: fingerprint(name, t) for name, t in tensors.items()}
 
 
 def parse(s: str) -> int:
+    """A fingerprint from its hex form (the inverse of `fmt`)."""
     return int(s, 16)

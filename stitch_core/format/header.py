@@ -18,6 +18,9 @@ DTYPE_NAMES = frozenset(i.name for i in INFOS)
 
 
 class Chunk(BaseModel):
+    """One chunk of a tensor entry: span, changed count, encodings, and where its payload lies
+    (offset, sizes, CRC-32)."""
+
     model_config = ConfigDict(extra="forbid")
     start: int = Field(ge=0)
     stop: int = Field(ge=0)
@@ -48,6 +51,8 @@ class Chunk(BaseModel):
 
 
 class TensorEntry(BaseModel):
+    """A patch's entry for one tensor: name, dtype, shape, kind, fingerprints and chunks."""
+
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=MAX_NAME)
     dtype: str
@@ -114,6 +119,8 @@ class TensorEntry(BaseModel):
 
 
 class PatchHeader(BaseModel):
+    """The whole `.stp` header: run, versions, view, both version digests and every tensor entry."""
+
     model_config = ConfigDict(extra="forbid")
     format: Literal["stitch-patch"] = FORMAT_NAME
     format_version: Literal[1] = FORMAT_VERSION

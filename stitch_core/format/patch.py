@@ -501,6 +501,7 @@ def decode_chunk(
 
 
 def row(name: str, t: torch.Tensor, fp: int) -> tuple[str, str, tuple[int, ...], int]:
+    """One `digest` entry of tensor `t`: (name, dtype name, shape, fingerprint)."""
     return (name, dtypes.info(t.dtype).name, tuple(t.shape), fp)
 
 

@@ -46,6 +46,8 @@ Granularity = Literal["tensor", "channel", "block"]
 
 @dataclass(frozen=True)
 class View:
+    """A served view: its canonical name, kind and (fp8) granularity, block size and headroom."""
+
     name: str  # canonical string, e.g. "bf16", "fp16", "fp8-e4m3-block"
     kind: Kind
     granularity: Granularity | None = None  # fp8 only

@@ -77,6 +77,7 @@ def sse_data(event: bytes) -> str | None:
 
 
 def sse_event(obj: Any) -> bytes:
+    """One SSE event (``data: ...`` and a blank line): a string as is, anything else as JSON."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
 
@@ -104,6 +105,7 @@ def salt_body(body: bytes, run: str, version: int | None) -> bytes | None:
 
 async def send_json(send: Send, status: int, body: Any,
                     headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Send a complete JSON answer with `status` (and extra `headers`) through `send`."""
     data = json.dumps(body, default=str).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),

@@ -93,6 +93,8 @@ class ApplyHandle:
 
 
 class VersionGate:
+    """Admission control and version accounting of one engine serving `run` (see the module doc)."""
+
     def __init__(self, run: str, *, mode: Mode = "immediate", drain_timeout: float = 30.0,
                  max_wait: float = protocol.DEFAULT_MAX_WAIT, metrics: Metrics | None = None):
         if mode not in MODES:

@@ -147,10 +147,12 @@ def satisfies(version: int | None, exact: int | None, minimum: int | None) -> bo
 
 
 def error_body(type_: str, message: str, **fields: Any) -> dict:
+    """A JSON error body: ``{"error": {"type": type_, "message": message, **fields}}``."""
     return {"error": {"type": type_, "message": message, **fields}}
 
 
 def bad_request_body(message: str) -> dict:
+    """The body of an HTTP 400: malformed Stitch request headers."""
     return error_body(BAD_REQUEST_TYPE, message)
 
 
@@ -165,6 +167,7 @@ def not_ready_body(*, run: str, serving: int | None, wanted: int | None, latest:
 
 def describe(reason: Reason, *, serving: int | None, wanted: int | None,
              latest: int | None) -> str:
+    """The message of a 409 body: why the request was refused (`reason`), in words."""
     if reason == "not_ready":
         return "this engine holds no verified policy version yet"
     if reason == "behind":

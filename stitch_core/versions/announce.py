@@ -42,18 +42,22 @@ JS = JetStreamContext | NATS
 
 
 def versions_subject(run: str) -> str:
+    """The subject of `run`'s version announcements."""
     return f"stitch.{check_run(run)}.versions"
 
 
 def engines_subject(run: str, engine: str = "*") -> str:
+    """The heartbeat subject of `engine` in `run` (default ``*``: every engine)."""
     return f"stitch.{check_run(run)}.engines.{engine}"
 
 
 def versions_stream(run: str) -> str:
+    """The name of the JetStream stream of `run`'s announcements."""
     return f"STITCH_{check_run(run)}_VERSIONS"
 
 
 def engines_stream(run: str) -> str:
+    """The name of the JetStream stream of `run`'s engine heartbeats."""
     return f"STITCH_{check_run(run)}_ENGINES"
 
 

@@ -37,6 +37,8 @@ ApplyFn = Callable[[Step, Path], Awaitable[None]]
 
 
 class Follower:
+    """Keeps an apply target at the newest version of `run` on a board (see the module doc)."""
+
     def __init__(self, board: str | Board, run: str, apply: ApplyFn, *,
                  version: int | None = None, nats: str | None = None,
                  cache_dir: str | os.PathLike | None = None, reconcile_interval: float = 5.0,

@@ -22,24 +22,30 @@ PULLED_MANIFEST = "stitch-manifest.json"
 
 
 def check_run(run: str) -> str:
+    """`run` itself if it is a valid run name (safe as a path and a NATS token), else ValueError."""
     if not RUN_RE.match(run):
         raise ValueError(f"invalid run name {run!r} (letters, digits, '_' and '-', at most 128)")
     return run
 
 
 def version_dir(run: str, version: int) -> str:
+    """The board directory of a version: ``<run>/versions/<version:06d>``."""
     return f"{check_run(run)}/versions/{version:06d}"
 
 
 def manifest_key(run: str, version: int) -> str:
+    """The board key of a version's manifest."""
     return f"{version_dir(run, version)}/{MANIFEST}"
 
 
 def latest_key(run: str) -> str:
+    """The board key of `run`'s `latest` pointer."""
     return f"{check_run(run)}/latest"
 
 
 class ObjectRef(BaseModel):
+    """One file of a version: name in the version directory, size, SHA-256 and role."""
+
     model_config = ConfigDict(extra="forbid")
     path: str  # file name inside the version directory
     size: int = Field(ge=0)
@@ -55,6 +61,8 @@ class ObjectRef(BaseModel):
 
 
 class TensorInfo(BaseModel):
+    """One tensor of a version: name, dtype, shape and fingerprint (16 hex digits)."""
+
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=1024)
     dtype: str
@@ -63,6 +71,8 @@ class TensorInfo(BaseModel):
 
 
 class Manifest(BaseModel):
+    """A published version: how it is built (`kind`, `parent`), its tensors and its objects."""
+
     model_config = ConfigDict(extra="forbid")
     format: Literal["stitch-manifest"] = "stitch-manifest"
     format_version: Literal[1] = 1

@@ -34,6 +34,7 @@ from stitch_core.versions.store import VersionError, fetch_object, fetch_patch, 
 
 
 def check_chain(base: Checkpoint, readers: list[PatchReader]) -> None:
+    """Check that each patch applies to the version before it in the chain, starting at `base`."""
     names = set(base.names())
     version = base.version
     for r in readers:
@@ -102,10 +103,12 @@ def default_cache_dir() -> Path:
 
 
 def tmp_sibling(out: Path) -> Path:
+    """A hidden temporary path next to `out` (per process) to write before `replace`."""
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
 def remove(p: Path) -> None:
+    """Delete `p` (a file or a directory tree) if it exists."""
     if p.is_dir():
         shutil.rmtree(p, ignore_errors=True)
     elif p.exists():
@@ -113,6 +116,7 @@ def remove(p: Path) -> None:
 
 
 def replace(tmp: Path, out: Path, force: bool) -> None:
+    """Move `tmp` to `out`, replacing an existing `out` only with `force` (else FileExistsError)."""
     if out.exists():
         if not force:
             raise FileExistsError(f"{out} exists (use --force to replace it)")

@@ -25,10 +25,12 @@ class VersionError(BoardError):
 
 
 def now() -> str:
+    """The current UTC time in ISO 8601 (milliseconds)."""
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of the file at `path`."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while b := f.read(1 << 20):
@@ -37,6 +39,7 @@ def sha256_file(path: Path) -> str:
 
 
 def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
+    """An ObjectRef for the file at `path` (named `name`, default its file name) in `role`."""
     return ObjectRef(path=name or path.name, size=path.stat().st_size, sha256=sha256_file(path),
                      role=role)
 
@@ -55,6 +58,7 @@ async def write_version(board: Board, manifest: Manifest, files: dict[str, Path]
 
 
 async def read_manifest(board: Board, run: str, version: int) -> Manifest:
+    """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced."""
     raw = await board.get(manifest_key(run, version))
     try:
         m = Manifest.model_validate_json(raw)

@@ -18,6 +18,7 @@ from stitch_core.versions.board.local import LocalBoard
 
 
 def open_board(url: str) -> Board:
+    """The board a URL names: HttpBoard, NatsBoard, else a LocalBoard (a path or file:// URL)."""
     if url.startswith(("http://", "https://")):
         from stitch_core.versions.board.http import HttpBoard
 

@@ -19,11 +19,13 @@ KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*$
 
 
 class BoardError(StitchError, RuntimeError):
-    pass
+    """Raised when a board operation fails; the base of every board error."""
+
 
 
 class NotFound(BoardError):
-    pass
+    """Raised when a key names no object on the board."""
+
 
 
 class LatestConflict(BoardError):
@@ -31,16 +33,20 @@ class LatestConflict(BoardError):
 
 
 class ReadOnlyBoard(BoardError):
-    pass
+    """Raised on a write (put, move_latest) to a read-only board."""
+
 
 
 def check_key(key: str) -> str:
+    """`key` itself if it is a safe relative board key, else BoardError."""
     if not KEY_RE.match(key) or ".." in key.split("/"):
         raise BoardError(f"unsafe board key {key!r}")
     return key
 
 
 class Board(ABC):
+    """A store of immutable objects by key plus a per-run `latest` pointer (abstract, async)."""
+
     url: str
     readonly: bool = False
 

@@ -33,6 +33,8 @@ class _Transient(Exception):
 
 
 class HttpBoard(Board):
+    """A read-only board under a base URL, with retried reads and resumable downloads."""
+
     readonly = True
 
     def __init__(self, url: str, *, timeout: float = 30.0, connect_timeout: float = 30.0,

@@ -35,6 +35,8 @@ def _same_content(path: Path, src: bytes | Path) -> bool:
 
 
 class LocalBoard(Board):
+    """A board in the local directory `root`."""
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)

@@ -25,6 +25,8 @@ CHUNK = 1 << 20
 
 
 class BoardServer(ThreadingHTTPServer):
+    """The threaded HTTP server of `stitch board serve`, serving the directory `root`."""
+
     daemon_threads = True
 
     def __init__(self, addr: tuple[str, int], handler: type[BoardHandler], root: Path,
@@ -79,6 +81,8 @@ def _content_type(key: str) -> str:
 
 
 class BoardHandler(BaseHTTPRequestHandler):
+    """Answers GET and HEAD for board keys under the server's root (byte ranges, cache headers)."""
+
     server: BoardServer
     server_version = "stitch-board"
     protocol_version = "HTTP/1.1"

@@ -146,6 +146,28 @@ class Trainer:
             return v
 
 
+def follow_versions(trainer: Trainer, server: ServerProcess, n: int, request) -> list[int]:
+    """Publish `n` versions; after each, `request(v)` (a request pinned to v that waits for it)
+    must answer 200 and the server's last apply be v. Returns the elements each apply changed,
+    every one of them > 0 (a test whose versions change nothing could not fail)."""
+    changed = []
+    for _ in range(n):
+        v = trainer.publish()
+        r = request(v)
+        assert r.status_code == 200, r.text
+        last = server.status()["last_apply"]
+        assert last["version"] == v
+        changed.append(last["changed"])
+    assert all(changed), changed
+    return changed
+
+
+def verify_clean(server: ServerProcess) -> None:
+    """`POST /stitch/verify`: every tensor and every derived copy proven."""
+    check = server.http.post("/stitch/verify").json()
+    assert check["ok"] is True and check["stale_derived"] == [], check
+
+
 @dataclass
 class ForgedVersion:
     """Version v + 1 written by hand: its manifest claims the fingerprints of a real next state,

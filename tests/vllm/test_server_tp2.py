@@ -28,7 +28,7 @@ from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
 
-from ..engine_common import Trainer  # noqa: E402
+from ..engine_common import Trainer, follow_versions, verify_clean  # noqa: E402
 from .engines import Server, fresh_outputs  # noqa: E402
 from .test_server import RUN  # noqa: E402
 
@@ -55,18 +55,10 @@ def test_engine_follows_and_matches_a_fresh_engine(tmp_path, nats_server, arch, 
         assert st["ranks"] == tp and st["fingerprint_check"]["ok"] is True
         assert st["fallback_tensors"] == []
         record_cpu_path(st["derived_copies"])
-        changed = []
-        for _ in range(VERSIONS):
-            v = trainer.publish()
-            r = server.complete("Hello", {"X-Stitch-Version": str(v), "X-Stitch-Wait": "300"})
-            assert r.status_code == 200, r.text
-            last = server.status()["last_apply"]
-            assert last["version"] == v
-            changed.append(last["changed"])
-        assert all(changed), changed  # every version changed served weights
+        changed = follow_versions(trainer, server, VERSIONS, lambda v: server.complete(
+            "Hello", {"X-Stitch-Version": str(v), "X-Stitch-Wait": "300"}))
         seen = server.outputs(VERSIONS)
-        check = server.http.post("/stitch/verify").json()
-        assert check["ok"] is True and check["stale_derived"] == [], check
+        verify_clean(server)
         server.stop()
         server = None
         d = tmp_path / f"pulled-{VERSIONS}"

@@ -53,6 +53,8 @@ class Settings(BaseModel):
     pause_steps: bool = True  # hold engine steps while ranks write (verified before resuming)
     verify_interval: float = 0.0  # seconds between full fingerprint checks (0: start-up only)
     loader_fallback: bool = False  # tensors the map cannot place: load unverified (else refuse)
+    rpc_timeout: float = 300.0  # seconds a rank RPC of an apply may take (then undone / refused)
+    load_timeout: float = 3600.0  # the same for start-up layout learning and snapshot loads
     engine_id: str | None = None
     engine_url: str | None = None  # advertised in heartbeats
     region: str | None = None
@@ -127,7 +129,8 @@ class EngineFollower:
                 self.rpc, run=run, gate=self.gate,
                 pause=self.pause if s.pause_steps else None,
                 resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
-                loader_fallback=s.loader_fallback)
+                loader_fallback=s.loader_fallback, rpc_timeout=s.rpc_timeout,
+                load_timeout=s.load_timeout)
             version = await self.coord.start(self.model_dir)
         except Exception as e:
             self.error = f"start-up check failed: {e}"

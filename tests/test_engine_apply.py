@@ -24,30 +24,16 @@ from stitch_core.versions.materialize import pull
 from stitch_core.versions.store import read_manifest
 from stitch_trainer.publisher import Publisher
 
-from .toy_engine import HFToy, ToyEngine, train
+from .toy_engine import HFToy, ToyEngine, publish_toy_run, train
 
 RUN = "toy"
 N = 12
 
 
-def _view(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
-
-
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    torch.manual_seed(0)
-    model = HFToy()
-    views = []
-    with Publisher(str(root / "board"), RUN, "bf16") as pub:
-        pub.publish(0, model).result()
-        views.append(_view(model))
-        for step, m in enumerate(train(model, N - 1), start=1):
-            pub.publish(step, m).result()
-            views.append(_view(m))
-        pub.flush()
-    return root, views
+    return root, publish_toy_run(root / "board", RUN, N)
 
 
 def _engines(world: int, weights: dict[str, torch.Tensor]) -> list[ToyEngine]:

@@ -144,3 +144,25 @@ class ToyEngine(nn.Module):
                 raise KeyError(name)
             loaded.add(name)
         return loaded
+
+
+def served_view(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The bf16 served view of a model's state (what the engines hold)."""
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+
+
+def publish_toy_run(board_dir, run: str, n: int) -> list[dict[str, torch.Tensor]]:
+    """Train an HFToy for n - 1 steps, publishing v0..v(n-1) to a local board; their views."""
+    from stitch_trainer.publisher import Publisher
+
+    torch.manual_seed(0)
+    model = HFToy()
+    views = []
+    with Publisher(str(board_dir), run, "bf16") as pub:
+        pub.publish(0, model).result()
+        views.append(served_view(model))
+        for step, m in enumerate(train(model, n - 1), start=1):
+            pub.publish(step, m).result()
+            views.append(served_view(m))
+        pub.flush()
+    return views

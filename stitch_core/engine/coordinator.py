@@ -96,8 +96,13 @@ class Coordinator:
 
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
-                 after_apply: VersionHook | None = None, loader_fallback: bool = False):
+                 after_apply: VersionHook | None = None, loader_fallback: bool = False,
+                 rpc_timeout: float | None = 300.0, load_timeout: float | None = 3600.0):
         self.rpc = rpc
+        # every rank RPC is bounded: a hung rank fails the apply (then undone and proven, or
+        # the engine stops serving) instead of holding the engine forever
+        self.rpc_timeout = rpc_timeout
+        self.load_timeout = load_timeout  # start-up layout learning and snapshot loads
         # tensors the layout map does not place exactly: refuse (default), or update them through
         # the engine's own loader, which nothing can read back to verify
         self.loader_fallback = loader_fallback
@@ -119,6 +124,44 @@ class Coordinator:
         self.patch_bytes_total = 0
         self.history: list[dict[str, Any]] = []
         self._lock = asyncio.Lock()
+
+    async def _call(self, req: rpc.Request, timeout: float | None = None) -> list[Any]:
+        """`rpc(req)` on every rank, bounded by `timeout` (default `rpc_timeout`; EngineStateError
+        when it runs out)."""
+        limit = timeout if timeout is not None else self.rpc_timeout
+        try:
+            return await asyncio.wait_for(self.rpc(req), limit)
+        except TimeoutError:
+            raise EngineStateError(f"{type(req).__name__}: no answer from every rank in "
+                                   f"{limit:g} s") from None
+
+    def _mismatched(self, replies: list[rpc.SumsReply], fps: dict[str, int]) -> list[str]:
+        """Tensors whose summed per-copy fingerprints differ from `fps`, and stale copies."""
+        return [n for n, k in self.mult.items()
+                if sum(r.sums[n] for r in replies) & fpr.MASK64 != (k * fps[n]) & fpr.MASK64
+                ] + _stale(replies)
+
+    async def _abort(self, aid: str, version: int, err: BaseException) -> None:
+        """An apply of `version` failed once a rank may have written: undo it on every rank and
+        prove the version held before. If that cannot be proven (a rank gone, hung or holding
+        other bits), stop serving: nothing unproven is ever served, and the follower reloads a
+        snapshot through the verified path (it reads the held version, None, from here)."""
+        try:
+            await self._call(rpc.Undo(aid))
+            bad = self._mismatched(await self._call(rpc.Sums(sorted(self.mult))), self.fps)
+        except Exception as e:  # noqa: BLE001 - any failure here means: not provable
+            bad = [f"{type(e).__name__}: {e}"]
+        if not bad:
+            log.warning("stitch: v%d failed (%s); undone on every rank, v%s proven", version,
+                        err, self.version)
+            return
+        log.error("stitch: v%d failed (%s) and v%s could not be proven after the undo (%s); "
+                  "not serving until a snapshot is loaded", version, err, self.version,
+                  ", ".join(bad[:5]))
+        self.check = {"ok": False, "at": time.time(), "kind": "abort", "mismatched": bad[:20]}
+        self._set_version(None)
+        raise EngineStateError(f"v{version} failed and the engine's weights could not be proven "
+                               f"afterwards: {bad[0]}") from err
 
     # ------------------------------------------------------------ status
 
@@ -145,7 +188,8 @@ class Coordinator:
             self.shapes = {n: (s, dtypes.info(d).name) for n, (s, d) in hf.items()}
             want = await asyncio.to_thread(_files_fingerprints, model_dir, list(self.shapes))
         t0 = time.perf_counter()
-        replies: list[rpc.SetupReply] = await self.rpc(rpc.Setup(self.shapes))
+        replies: list[rpc.SetupReply] = await self._call(rpc.Setup(self.shapes),
+                                                         self.load_timeout)
         self.ranks = len(replies)
         placed, fallback, self.unheld = self._classify(replies, want)
         self.derived = sorted({p for r in replies for p in r.derived}
@@ -245,7 +289,7 @@ class Coordinator:
                 plan = await asyncio.to_thread(self._positions, patch, m)
                 aid = uuid.uuid4().hex
                 t_g = time.perf_counter()
-                gathered: list[rpc.GatherReply] = await self.rpc(rpc.Gather(aid, {
+                gathered: list[rpc.GatherReply] = await self._call(rpc.Gather(aid, {
                     n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
                     for n, (p, _) in plan["placed"].items()}))
                 gather_s = time.perf_counter() - t_g
@@ -357,8 +401,8 @@ class Coordinator:
                 await self.pause()
             t_w = time.perf_counter()
             try:
-                replies: list[rpc.WriteReply] = await self.rpc(rpc.Write(aid, new))
-                try:
+                try:  # a transaction across ranks: any failure from here on is undone everywhere
+                    replies: list[rpc.WriteReply] = await self._call(rpc.Write(aid, new))
                     for name in new:
                         got = sum(r.delta[name] for r in replies) & fpr.MASK64
                         want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
@@ -368,12 +412,12 @@ class Coordinator:
                                 f"{name}: ranks wrote a change that does not add up to the "
                                 "manifest's (layout bug?); undone")
                     if fb_new:
-                        await self.rpc(rpc.Load({
+                        await self._call(rpc.Load({
                             n: (dtypes.info(t.dtype).name, tuple(t.shape),
                                 dtypes.int_view(t).reshape(-1).numpy())
                             for n, t in fb_new.items()}))
-                except BaseException:
-                    await self.rpc(rpc.Undo(aid))
+                except BaseException as e:
+                    await self._abort(aid, m.version, e)  # steps still held
                     raise
                 write_s = time.perf_counter() - t_w
                 self.fps = dict(m.fingerprints)
@@ -384,8 +428,15 @@ class Coordinator:
                 if self.pause is not None and self.resume is not None:
                     await self.resume()
             pause_s = time.perf_counter() - t0
-        await self.rpc(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
-        self._set_version(m.version)
+        self._set_version(m.version)  # proven by the ranks' read-back deltas
+        try:
+            await self._call(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
+        except Exception as e:  # noqa: BLE001 - a rank may be gone: prove what is there
+            log.error("stitch: commit of v%d failed (%s); checking every rank", m.version, e)
+            check = await self._verify_unlocked()
+            if not check["ok"]:
+                raise EngineStateError(f"v{m.version}: commit failed and the weights could not "
+                                       "be proven afterwards") from e
         return {"write_s": write_s, "pause_s": pause_s,
                 "write_rank_s": max(r.seconds for r in replies)}
 
@@ -401,13 +452,16 @@ class Coordinator:
                 if self.pause is not None:
                     await self.pause()
                 try:
-                    await self.rpc(rpc.LoadFiles(files))
-                    replies: list[rpc.SumsReply] = await self.rpc(rpc.Sums())
-                    bad = [n for n, k in self.mult.items()
-                           if sum(r.sums[n] for r in replies) & fpr.MASK64
-                           != (k * want[n]) & fpr.MASK64] + _stale(replies)
+                    try:  # a load has no undo: once it started, only a proof may serve again
+                        await self._call(rpc.LoadFiles(files), self.load_timeout)
+                        replies: list[rpc.SumsReply] = await self._call(rpc.Sums())
+                        bad = self._mismatched(replies, want)
+                    except Exception as e:  # noqa: BLE001 - a rank failed or hung mid-load
+                        bad = [f"{type(e).__name__}: {e}"]
                     if bad:
                         self._set_version(None)
+                        self.check = {"ok": False, "at": time.time(), "kind": "snapshot",
+                                      "mismatched": bad[:20]}
                         raise EngineStateError(
                             f"v{m.version} loaded but {len(bad)} tensors do not verify: {bad[:3]}")
                     if self.fallback:
@@ -431,24 +485,28 @@ class Coordinator:
                 log.debug("after_apply hook: %s", e)
 
     async def verify(self) -> dict[str, Any]:
-        """Recompute every rank's full sums and compare with the held version's fingerprints."""
+        """Recompute every rank's full sums and compare with the held version's fingerprints;
+        a failed check (or ranks that cannot answer) stops serving. The check's record."""
         async with self._lock:
-            t0 = time.perf_counter()
-            replies: list[rpc.SumsReply] = await self.rpc(rpc.Sums(sorted(self.mult)))
-            bad = [n for n, k in self.mult.items()
-                   if sum(r.sums[n] for r in replies) & fpr.MASK64
-                   != (k * self.fps[n]) & fpr.MASK64]
+            return await self._verify_unlocked()
+
+    async def _verify_unlocked(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            replies: list[rpc.SumsReply] = await self._call(rpc.Sums(sorted(self.mult)))
             stale = _stale(replies)  # kernels' copies not rebuilt from the weights there now
-            bad += stale
-            self.check = {"ok": not bad, "at": time.time(), "kind": "full",
-                          "tensors": len(self.mult), "mismatched": bad[:20],
-                          "derived_copies": sum(self.derived_copies.values()),
-                          "stale_derived": stale[:20], "seconds": time.perf_counter() - t0}
-            if bad:
-                log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
-                          self.version, len(bad), ", ".join(bad[:5]))
-                self._set_version(None)
-            return self.check
+            bad = self._mismatched(replies, self.fps)
+        except Exception as e:  # noqa: BLE001 - ranks that cannot answer prove nothing
+            stale, bad = [], [f"{type(e).__name__}: {e}"]
+        self.check = {"ok": not bad, "at": time.time(), "kind": "full",
+                      "tensors": len(self.mult), "mismatched": bad[:20],
+                      "derived_copies": sum(self.derived_copies.values()),
+                      "stale_derived": stale[:20], "seconds": time.perf_counter() - t0}
+        if bad:
+            log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
+                      self.version, len(bad), ", ".join(bad[:5]))
+            self._set_version(None)
+        return self.check
 
 
 def _stale(replies) -> list[str]:

@@ -290,8 +290,10 @@ class RankReplica:
                 self.on_dirty(dirty)
 
     def undo(self, apply_id: str) -> rpc.Done:
+        """Put back what apply `apply_id` wrote on this rank. A rank that wrote nothing of it (its
+        write failed and restored itself, or never ran) has nothing to undo: `undone` False."""
         if apply_id != self._undo_id:
-            raise ReplicaError(f"nothing to undo for {apply_id}")
+            return rpc.Done(apply_id, undone=False)
         self._restore(self._undo, self._dirty)
         self._undo, self._undo_id, self._dirty = [], None, set()
         return rpc.Done(apply_id, undone=True)

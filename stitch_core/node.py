@@ -120,7 +120,7 @@ class EngineFollower:
         self._tasks.append(asyncio.create_task(self._run(run)))
 
     async def _run(self, run: str) -> None:
-        from stitch_core.engine.coordinator import Coordinator, EngineStateError
+        from stitch_core.engine.coordinator import Coordinator
         from stitch_core.versions.follower import Follower
 
         s = self.settings
@@ -141,23 +141,29 @@ class EngineFollower:
                         version)
             return
 
-        async def apply(step, path):
-            try:
-                await self.coord(step, path)
-            except EngineStateError:
-                # a failed full check leaves the coordinator holding nothing provable: the
-                # follower (which reads the held version from it) reloads a snapshot next round
-                await self.coord.verify()
-                raise
-
-        self.follower = Follower(
-            s.board, run, apply, version=version, nats=s.nats_url, cache_dir=s.cache_dir,
-            reconcile_interval=s.reconcile_interval, engine_id=s.engine_id, url=s.engine_url,
-            region=s.region, on_latest=self.gate.set_latest, held=lambda: self.coord.version)
-        self.gate.catch_up = self.follower.wait_for
-        await self.follower.start()
+        # the coordinator is the apply target: a failed apply is undone and proven there, or
+        # leaves it holding no version (the follower, which reads the held version from it,
+        # then reloads a snapshot through the verified path)
+        try:
+            self.follower = Follower(
+                s.board, run, self.coord, version=version, nats=s.nats_url,
+                cache_dir=s.cache_dir, reconcile_interval=s.reconcile_interval,
+                engine_id=s.engine_id, url=s.engine_url, region=s.region,
+                on_latest=self.gate.set_latest, held=lambda: self.coord.version,
+                on_dead=self._follower_died)
+            self.gate.catch_up = self.follower.wait_for
+            await self.follower.start()
+        except Exception as e:  # e.g. a malformed board URL: not following means not serving
+            self.error = f"cannot follow {run}: {type(e).__name__}: {e}"
+            self.coord.stop_serving(self.error)
+            return
         if s.verify_interval > 0:
             self._tasks.append(asyncio.create_task(self._verify_every(s.verify_interval)))
+
+    def _follower_died(self, err: BaseException) -> None:
+        """The follow loop ended: an engine that no longer follows its run stops serving."""
+        self.error = f"follower died: {type(err).__name__}: {err}"
+        self.coord.stop_serving(self.error)
 
     async def _verify_every(self, interval: float) -> None:
         while True:
@@ -172,8 +178,9 @@ class EngineFollower:
         if self.coord is not None:
             out.update(self.coord.status())
         if self.follower is not None:
-            out["follower"] = {"id": self.follower.id, "last_error": self.follower.last_error,
-                               "latest": self.follower.latest}
+            f = self.follower.status()
+            out["follower"] = {k: f[k] for k in ("id", "health", "last_error", "error_since",
+                                                 "nats_connected", "latest")}
         if self.error:
             out["error"] = self.error
         return out

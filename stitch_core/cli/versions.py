@@ -134,11 +134,13 @@ def cmd_status(a: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{'engine':<28} {'version':>7} {'lag':>4} {'state':<12} {'last seen':>10}  url")
+    print(f"{'engine':<28} {'version':>7} {'lag':>4} {'state':<12} {'health':<9} "
+          f"{'last seen':>10}  url")
     for h in hbs:
         print(
             f"{h.id:<28} {h.version if h.version is not None else '-':>7} "
-            f"{h.lag if h.lag is not None else '-':>4} {h.state:<12} {now - h.time:>9.1f}s  "
+            f"{h.lag if h.lag is not None else '-':>4} {h.state:<12} {h.health:<9} "
+            f"{now - h.time:>9.1f}s  "
             f"{h.url or ''}"
         )
     if not hbs:

@@ -141,6 +141,12 @@ class Coordinator:
                 if sum(r.sums[n] for r in replies) & fpr.MASK64 != (k * fps[n]) & fpr.MASK64
                 ] + _stale(replies)
 
+    def stop_serving(self, reason: str) -> None:
+        """Hold no version from now on (requests get not_ready) until one is proven again."""
+        log.error("stitch: %s; not serving v%s any more", reason, self.version)
+        self.check = {"ok": False, "at": time.time(), "kind": "stopped", "reason": reason}
+        self._set_version(None)
+
     async def _abort(self, aid: str, version: int, err: BaseException) -> None:
         """An apply of `version` failed once a rank may have written: undo it on every rank and
         prove the version held before. If that cannot be proven (a rank gone, hung or holding

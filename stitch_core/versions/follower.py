@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file
@@ -34,6 +35,7 @@ from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan
 
 log = logging.getLogger("stitch.follower")
 ApplyFn = Callable[[Step, Path], Awaitable[None]]
+Health = Literal["ok", "degraded", "dead"]
 
 
 class Follower:
@@ -45,7 +47,8 @@ class Follower:
                  heartbeat_interval: float = 2.0, engine_id: str | None = None,
                  url: str | None = None, region: str | None = None, max_chain: int = 64,
                  on_latest: Callable[[int], None] | None = None,
-                 held: Callable[[], int | None] | None = None):
+                 held: Callable[[], int | None] | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
@@ -61,6 +64,9 @@ class Follower:
         self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"
         self.url, self.region, self.max_chain = url, region, max_chain
         self.on_latest = on_latest  # told every time a newer published version is seen
+        self.on_dead = on_dead  # told once if the follow loop ends (it never should)
+        self.error_since: float | None = None  # wall time of the first error of a failing run
+        self.dead: str | None = None  # why the follow loop ended
         self.applying = False
         self.last_error: str | None = None
         self.last_apply_seconds: float | None = None
@@ -97,24 +103,76 @@ class Follower:
     def lag(self) -> int | None:
         return lag(self.version, self.latest)
 
+    @property
+    def nats_connected(self) -> bool | None:
+        """None without NATS; else whether the announcement subscription is up."""
+        if not self.nats_url:
+            return None
+        return self._sub is not None and self._nc is not None and self._nc.is_connected
+
+    @property
+    def health(self) -> Health:
+        """`dead` (the follow loop ended), `degraded` (the last reconcile failed, or NATS is
+        configured but down: the board is still polled) or `ok`."""
+        if self.dead is not None:
+            return "dead"
+        if self.last_error is not None or self.nats_connected is False:
+            return "degraded"
+        return "ok"
+
     def status(self) -> dict:
         return {"id": self.id, "run": self.run, "version": self.version, "latest": self.latest,
-                "state": self.state, "lag": self.lag, "last_error": self.last_error,
+                "state": self.state, "lag": self.lag, "health": self.health,
+                "last_error": self.dead or self.last_error, "error_since": self.error_since,
+                "nats_connected": self.nats_connected,
                 "last_apply_seconds": self.last_apply_seconds,
                 "patch_bytes_total": self.patch_bytes_total}
 
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Start following: the board's reconcile loop at once, NATS (announcements and
+        heartbeats) in the background, retried until it is up. Never fails for NATS: the board
+        is the truth and is polled either way."""
+        loop = asyncio.create_task(self._loop())
+        loop.add_done_callback(self._loop_ended)
+        self._tasks.append(loop)
         if self.nats_url:
-            from stitch_core.versions.announce import connect, ensure_streams, subscribe_versions
+            self._tasks.append(asyncio.create_task(self._nats()))
 
-            self._nc = await connect(self.nats_url, name=f"stitch-follower-{self.id}")
-            self._js = self._nc.jetstream()
-            await ensure_streams(self._js, self.run)
-            self._sub = await subscribe_versions(self._js, self.run, self._on_announcement)
-            self._tasks.append(asyncio.create_task(self._heartbeats()))
-        self._tasks.append(asyncio.create_task(self._loop()))
+    async def _nats(self, backoff: float = 1.0, cap: float = 30.0) -> None:
+        from stitch_core.versions.announce import connect, ensure_streams, subscribe_versions
+
+        while True:
+            try:
+                self._nc = await connect(self.nats_url, name=f"stitch-follower-{self.id}")
+                self._js = self._nc.jetstream()
+                await ensure_streams(self._js, self.run)
+                self._sub = await subscribe_versions(self._js, self.run, self._on_announcement)
+                break
+            except Exception as e:  # unreachable, refused, no JetStream yet: poll meanwhile
+                log.warning("follower %s: NATS %s unavailable (%s); polling the board, retrying "
+                            "in %.0f s", self.id, self.nats_url, e, backoff)
+                if self._nc is not None:
+                    with contextlib.suppress(Exception):
+                        await self._nc.close()
+                self._nc = self._js = self._sub = None
+                await asyncio.sleep(backoff)
+                backoff = min(cap, backoff * 2)
+        log.info("follower %s: following %s announcements on NATS %s", self.id, self.run,
+                 self.nats_url)
+        self._wake.set()  # something may have been announced while NATS was down
+        await self._heartbeats()
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return  # stop()
+        err = task.exception() or RuntimeError("follow loop returned")
+        self.dead = f"follow loop ended: {type(err).__name__}: {err}"
+        log.error("follower %s: %s; the engine cannot follow any more", self.id, self.dead)
+        self._beat.set()
+        if self.on_dead is not None:
+            self.on_dead(err)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -163,7 +221,11 @@ class Follower:
             except Exception as e:  # keep following; the next tick retries
                 if not (self.last_error or "").endswith(str(e)):  # keep "vN rejected: ..."
                     self.last_error = str(e)
+                if self.error_since is None:
+                    self.error_since = time.time()
                 log.warning("follower %s: %s", self.id, e)
+            else:  # the board was read and everything on it applied: healthy again
+                self.last_error = self.error_since = None
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.reconcile_interval)
@@ -179,7 +241,7 @@ class Follower:
                 await publish_heartbeat(self._js, Heartbeat(
                     id=self.id, run=self.run, url=self.url, version=self.version,
                     latest=self.latest, state=self.state, lag=self.lag, region=self.region,
-                    time=time.time()))
+                    health=self.health, error=self.dead or self.last_error, time=time.time()))
             self._beat.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._beat.wait(), self.heartbeat_interval)

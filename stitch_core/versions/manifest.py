@@ -185,4 +185,6 @@ class Heartbeat(BaseModel):
     state: Literal["serving", "applying", "catching_up", "not_ready"]
     lag: int | None = None
     region: str | None = None
+    health: Literal["ok", "degraded", "dead"] = "ok"  # the follower's own (see Follower.health)
+    error: str | None = None  # its last error while not ok
     time: float

@@ -145,3 +145,65 @@ async def test_follower_over_http_board(stack):
         await f.stop()
     finally:
         server.shutdown()
+
+
+async def test_a_forged_huge_announcement_moves_nothing(stack):
+    """Any NATS client can announce version 10**15. It is a hint: the follower reads the
+    board's own `latest` before believing anything, so its latest does not jump, it is not
+    stalled, and it goes on applying the real next versions; a restarted follower that reads the
+    forged message again from JetStream is not fooled either."""
+    from stitch_core.versions.announce import announce, connect
+    from stitch_core.versions.manifest import Announcement
+
+    t, run, board, nats, tmp = stack
+    await asyncio.to_thread(t.step)
+    rep = MemoryReplica()
+    f = Follower(board, run, rep, nats=nats, cache_dir=tmp / "c", reconcile_interval=3600)
+    await f.start()
+    assert await f.wait_for(0, 20)
+    nc = await connect(nats)
+    try:
+        forged = Announcement(run=run, version=10**15, parent=10**15 - 1, kind="patch",
+                              board=board, manifest=f"{run}/versions/x/manifest.json")
+        await announce(nc.jetstream(), forged)
+        await asyncio.sleep(0.5)
+        assert f.latest == 0 and f.version == 0 and f.state == "serving"
+        for _ in range(2):
+            v = await asyncio.to_thread(t.step)
+            assert await f.wait_for(v, 20), f"follower stuck at {f.version}, wanted {v}"
+            assert same(rep, t.views[v])
+        assert f.latest == v and f.lag == 0
+        await f.stop()
+        await asyncio.to_thread(t.step)
+        rep2 = MemoryReplica()
+        f2 = Follower(board, run, rep2, nats=nats, cache_dir=tmp / "c2", reconcile_interval=3600)
+        await f2.start()
+        await announce(nc.jetstream(), forged)  # the newest message on the stream is forged
+        assert await f2.wait_for(v + 1, 20)
+        assert f2.latest == v + 1
+        await f2.stop()
+    finally:
+        await nc.close()
+
+
+async def test_the_snapshot_search_is_bounded_on_a_board_that_cannot_list(tmp_path):
+    """Planning toward a version whose chain is broken searches back for a snapshot; on a board
+    that cannot list its versions (a static HTTP board) that search reads at most
+    MAX_SNAPSHOT_SCAN manifests, whatever the target claims, then fails with a clear error."""
+    from stitch_core.versions import store
+    from stitch_core.versions.board import LocalBoard
+
+    class Unlisted(LocalBoard):
+        reads = 0
+
+        async def list_versions(self, run):
+            return None
+
+        async def get(self, key):
+            Unlisted.reads += 1
+            return await super().get(key)
+
+    b = Unlisted(tmp_path / "board")
+    with pytest.raises(store.VersionError, match="no usable snapshot"):
+        await asyncio.wait_for(store.plan(b, "empty", None, 10**15), 60)  # unbounded: times out
+    assert Unlisted.reads <= store.MAX_SNAPSHOT_SCAN + 2

@@ -31,10 +31,12 @@ from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board import Board, open_board
 from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
 from stitch_core.versions.state import engine_state, lag
-from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan
+from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan, read_manifest
 
 log = logging.getLogger("stitch.follower")
 ApplyFn = Callable[[Step, Path], Awaitable[None]]
+HINT_SLACK = 1024  # an announcement this far beyond the newest known version is suspicious
+MAX_HINTS = 4096  # announced versions remembered (for announce -> current timings), at most
 Health = Literal["ok", "degraded", "dead"]
 
 
@@ -73,7 +75,8 @@ class Follower:
         self.patch_bytes_total = 0
         self.applied: list[int] = []  # versions in the order they were reached
         self.history: list[dict] = []  # per step: version, kind, fetch_s, apply_s, times
-        self._announced_at: dict[int, float] = {}
+        self._announced_at: dict[int, float] = {}  # hinted versions -> when (for timings)
+        self._odd_hints: set[int] = set()  # announcements far beyond the board, logged once
         self._wake = asyncio.Event()
         self._beat = asyncio.Event()  # set on every state change: heartbeat now
         self._changed = asyncio.Condition()
@@ -184,9 +187,12 @@ class Follower:
         if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
+        if self._nc is not None:  # bounded: a connection stuck reconnecting must not hang stop
+            try:
+                await asyncio.wait_for(self._nc.drain(), 5.0)
+            except Exception:  # noqa: BLE001 - timed out or already broken: just close
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
         await self.board.close()
 
     async def __aenter__(self) -> Follower:
@@ -197,10 +203,20 @@ class Follower:
         await self.stop()
 
     async def _on_announcement(self, ann: Announcement) -> None:
+        """An announcement is a hint, never the truth: it wakes the loop, which reads the
+        board's own `latest` (and its manifest) before believing any version. A forged, replayed,
+        out-of-order or huge announcement so moves nothing and costs one read of `latest`."""
         if ann.run != self.run:
             return
-        self._announced_at.setdefault(ann.version, time.perf_counter())
-        self._saw(ann.version)
+        known = self.latest if self.latest is not None else -1
+        if ann.version > known + HINT_SLACK and ann.version not in self._odd_hints:
+            if len(self._odd_hints) < MAX_HINTS:  # logged once each, bounded
+                self._odd_hints.add(ann.version)
+                log.warning("follower %s: announcement of %s v%d, far beyond the board's v%s: "
+                            "ignored unless the board says so", self.id, self.run, ann.version,
+                            self.latest)
+        elif len(self._announced_at) < MAX_HINTS:
+            self._announced_at.setdefault(ann.version, time.perf_counter())
         self._wake.set()
 
     def _saw(self, version: int) -> None:
@@ -210,14 +226,9 @@ class Follower:
                 self.on_latest(version)
 
     async def _loop(self) -> None:
-        woken = False
         while True:
             try:
-                if woken and self.latest is not None and (
-                        self.version is None or self.latest > self.version):
-                    await self.catch_up(self.latest)  # announced: no need to read `latest`
-                else:
-                    await self.sync()  # timer tick (or a wake with nothing new): reconcile
+                await self.sync()  # woken (a hint) or a timer tick: what the board says
             except Exception as e:  # keep following; the next tick retries
                 if not (self.last_error or "").endswith(str(e)):  # keep "vN rejected: ..."
                     self.last_error = str(e)
@@ -227,11 +238,8 @@ class Follower:
             else:  # the board was read and everything on it applied: healthy again
                 self.last_error = self.error_since = None
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.reconcile_interval)
-                woken = True
-            except TimeoutError:
-                woken = False
 
     async def _heartbeats(self) -> None:
         from stitch_core.versions.announce import publish_heartbeat
@@ -249,10 +257,12 @@ class Follower:
     # -------------------------------------------------------------- catching up
 
     async def sync(self) -> int | None:
-        """Reconcile once: read `latest`, catch up to it. Returns the version now held."""
+        """Reconcile once: read the board's `latest` and the manifest it points to (a version is
+        believed only once its manifest is read back), catch up to it. The version now held."""
         latest = await self.board.read_latest(self.run)
-        if latest is not None:
-            self._saw(latest.version)
+        if latest is not None and (self.latest is None or latest.version > self.latest):
+            m = await read_manifest(self.board, self.run, latest.version)
+            self._saw(m.version)
         if self.latest is not None and (self.version is None or self.latest > self.version):
             await self.catch_up(self.latest)
         return self.version

@@ -168,11 +168,19 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     return await _from_snapshot(board, run, target)
 
 
+# manifests read at most when searching back for a snapshot (bounded work whatever the board or
+# NATS claim: a target of 10**15 on a board that cannot list must not mean 10**15 reads)
+MAX_SNAPSHOT_SCAN = 1024
+
+
 async def _from_snapshot(board: Board, run: str, target: int) -> list[Step]:
     versions = await board.list_versions(run)
     candidates = sorted((x for x in versions if x <= target), reverse=True) if versions else \
         range(target, -1, -1)
-    for s in candidates:
+    for i, s in enumerate(candidates):
+        if i >= MAX_SNAPSHOT_SCAN:
+            raise VersionError(f"no usable snapshot of {run} within {MAX_SNAPSHOT_SCAN} versions "
+                               f"before v{target}")
         try:
             m = await read_manifest(board, run, s)
         except (NotFound, VersionError):

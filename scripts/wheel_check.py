@@ -96,7 +96,9 @@ def check_imports(c: Check, engine: str | None) -> None:
             mod = importlib.import_module(pkg)
         except Exception:  # noqa: BLE001 - reported by check_location
             continue
-        names = [pkg] + [m.name for m in pkgutil.walk_packages(mod.__path__, pkg + ".")]
+        # (a `__main__` module is a program: importing it would run it)
+        names = [pkg] + [m.name for m in pkgutil.walk_packages(mod.__path__, pkg + ".")
+                         if not m.name.endswith(".__main__")]
         for name in names:
             try:
                 importlib.import_module(name)

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +44,7 @@ class Settings(BaseModel):
     board: str | None = None  # board URL or directory; unset: serve the loaded version only
     run: str | None = None  # default: the run of the snapshot's manifest
     nats_url: str | None = None  # announcements (optional: the board is polled anyway)
-    cache_dir: str = str(Path(tempfile.gettempdir()) / "stitch-cache")
+    cache_dir: str | None = None  # default: the per-user cache (versions.materialize)
     apply_mode: Literal["immediate", "drain"] = "immediate"
     drain_timeout: float = 30.0
     max_wait: float = 600.0

@@ -50,6 +50,7 @@ from stitch_core.format.views import (
 )
 from stitch_core.versions.board import LocalBoard, open_board
 from stitch_core.versions.manifest import version_dir
+from stitch_core.versions.materialize import default_cache_dir
 
 from .publisher import named_tensors
 
@@ -436,9 +437,8 @@ def _patch_groups(m, paths: list[Path]) -> dict[str, dict[str, float]]:
 
 def analyze_board(url: str, run: str, *, cache: Path | None = None, fetch: bool = False) -> dict:
     """Per published version: manifest totals, plus a per-group split where patches are local."""
-    import tempfile
 
-    cache = cache or Path(tempfile.gettempdir()) / "stitch-cache"
+    cache = cache or default_cache_dir()
     rows = asyncio.run(_board_rows(url, run, cache, fetch))
     note = None
     if any(r["groups"] is None and r["patch_bytes"] for r in rows):

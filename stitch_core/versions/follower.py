@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from stitch_core.format.patch import apply as apply_patch
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board import Board, open_board
 from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
+from stitch_core.versions.materialize import default_cache_dir
 from stitch_core.versions.state import engine_state, lag
 from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan, read_manifest
 
@@ -60,7 +60,7 @@ class Follower:
         self._version = version
         self.latest: int | None = self.version
         self.nats_url = nats
-        self.cache = Path(cache_dir or Path(tempfile.gettempdir()) / "stitch-cache")
+        self.cache = Path(cache_dir) if cache_dir else default_cache_dir()
         self.reconcile_interval = reconcile_interval
         self.heartbeat_interval = heartbeat_interval
         self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -11,7 +11,6 @@ import asyncio
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,8 +97,19 @@ def apply_patches(base: Checkpoint, readers: list[PatchReader], dest: Path,
 
 
 def default_cache_dir() -> Path:
-    """Where fetched objects are cached when no directory is given."""
-    return Path(tempfile.gettempdir()) / "stitch-cache"
+    """Where fetched objects are cached when no directory is given: private to the user
+    (`$XDG_CACHE_HOME/stitch`, else `~/.cache/stitch`), created with mode 0700. A directory
+    there that another user owns is refused: a cache others can write could feed this user
+    planted files."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    d = Path(base) / "stitch"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.stat()
+    if st.st_uid != os.getuid():
+        raise VersionError(f"cache directory {d} belongs to another user; set a cache directory")
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    return d
 
 
 def tmp_sibling(out: Path) -> Path:

@@ -8,9 +8,13 @@ Everything here is async so one follower can drive HTTP, NATS and local boards a
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import BinaryIO
 
 from stitch_core.errors import StitchError
 from stitch_core.versions.manifest import Latest
@@ -57,8 +61,9 @@ class Board(ABC):
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         """Stream an object to `dest` (written atomically). Backends may resume partial files."""
         data = await self.get(key)
-        tmp = dest.with_name(dest.name + ".part")
-        tmp.write_bytes(data)
+        tmp = part_path(dest)
+        with open_part(tmp) as f:
+            f.write(data)
         tmp.replace(dest)
 
     @abstractmethod
@@ -90,3 +95,41 @@ class Board(ABC):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def part_path(dest: Path) -> Path:
+    """Where a download of `dest` is written before it is renamed into place."""
+    return dest.with_name(dest.name + ".part")
+
+
+def part_size(tmp: Path) -> int:
+    """Bytes already in a download's temporary file (to resume it); a symlink or anything but a
+    regular file planted there is removed (never followed) and counts as nothing."""
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(st.st_mode):
+        os.unlink(tmp)
+        return 0
+    return st.st_size
+
+
+def open_part(tmp: Path, *, append: bool = False) -> BinaryIO:
+    """Open a download's temporary file for writing (mode 0600) without following a symlink:
+    a link planted at `tmp` is removed and the file created anew, so a download can never write
+    through it into another file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    for _ in range(2):
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            os.unlink(tmp)  # a symlink: remove the link itself, then create the file
+            continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BoardError(f"{tmp} is not a regular file")
+        return os.fdopen(fd, "ab" if append else "wb")
+    raise BoardError(f"{tmp}: could not be created without following a link")

@@ -19,7 +19,16 @@ from typing import TypeVar
 import httpx
 from pydantic import ValidationError
 
-from stitch_core.versions.board.base import Board, BoardError, NotFound, ReadOnlyBoard, check_key
+from stitch_core.versions.board.base import (
+    Board,
+    BoardError,
+    NotFound,
+    ReadOnlyBoard,
+    check_key,
+    open_part,
+    part_path,
+    part_size,
+)
 from stitch_core.versions.manifest import Latest, latest_key
 
 T = TypeVar("T")
@@ -127,7 +136,7 @@ class HttpBoard(Board):
         """Download to `dest` via `dest.part`, resuming it; `size`: the exact expected size."""
         url = self._url(key)
         dest = Path(dest)
-        tmp = dest.with_name(dest.name + ".part")
+        tmp = part_path(dest)
         wrote = 0
 
         def reject(msg: str) -> BoardError:
@@ -137,7 +146,7 @@ class HttpBoard(Board):
         async def once() -> bool:
             """One request; True when `tmp` holds the whole object, False to start over."""
             nonlocal wrote
-            have = tmp.stat().st_size if tmp.exists() else 0
+            have = part_size(tmp)  # (a symlink planted there is removed, never followed)
             if size is not None and have > size:
                 tmp.unlink()
                 have = 0
@@ -158,15 +167,15 @@ class HttpBoard(Board):
                         raise BoardError(f"GET {url}: asked for bytes {have}-, got "
                                          f"{r.headers.get('Content-Range')!r}")
                     total = None if m[3] == "*" else int(m[3])
-                    mode = "ab"
+                    append = True
                 else:  # 200: the server ignored the range, start from zero
-                    have, mode = 0, "wb"
+                    have, append = 0, False
                     n = r.headers.get("Content-Length")
                     total = int(n) if n and n.isdigit() else None
                 if size is not None and total is not None and total != size:
                     raise reject(f"object is {total} bytes, expected {size}")
                 buf = bytearray()
-                with open(tmp, mode) as f:
+                with open_part(tmp, append=append) as f:
                     try:
                         async for chunk in r.aiter_bytes():
                             if size is not None and have + len(chunk) > size:

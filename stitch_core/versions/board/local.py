@@ -1,4 +1,5 @@
-"""A board in a local directory: atomic temp+rename writes, fsync, flock-guarded CAS."""
+"""A board in a local directory: create-only object writes (private temp file, fsync, link),
+flock-guarded CAS of `latest`."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import asyncio
 import fcntl
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from stitch_core.versions.board.base import Board, BoardError, LatestConflict, NotFound, check_key
+from stitch_core.versions.board.base import (
+    Board,
+    BoardError,
+    LatestConflict,
+    NotFound,
+    check_key,
+    open_part,
+    part_path,
+)
 from stitch_core.versions.manifest import Latest, check_run, latest_key
 
 
@@ -54,26 +64,47 @@ class LocalBoard(Board):
         src = self._path(key)
         if not src.is_file():
             raise NotFound(f"{key} not on board {self.url}")
-        tmp = dest.with_name(dest.name + ".part")
-        await asyncio.to_thread(shutil.copyfile, src, tmp)
+        tmp = part_path(dest)
+
+        def copy() -> None:
+            with open(src, "rb") as s, open_part(tmp) as d:
+                shutil.copyfileobj(s, d, 1 << 20)
+
+        await asyncio.to_thread(copy)
         tmp.replace(dest)
 
     def _put(self, key: str, src: bytes | Path) -> None:
+        """Create-only: the object is written to a private temporary file, fsynced, then linked
+        into place, which fails atomically if the key exists. A second writer of the same key
+        with other content gets a BoardError, never a silent replace (the same bytes again are
+        accepted: a retried upload)."""
         path = self._path(key)
         if path.exists():
             if _same_content(path, src):
                 return
             raise BoardError(f"{key} already exists with other content (versions are immutable)")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        if isinstance(src, Path):
-            shutil.copyfile(src, tmp)
-        else:
-            tmp.write_bytes(src)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(src, Path):
+                    with open(src, "rb") as s:
+                        shutil.copyfileobj(s, f, 1 << 20)
+                else:
+                    f.write(src)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                if _same_content(path, src):
+                    return
+                raise BoardError(f"{key} already exists with other content: another writer "
+                                 "stored it first (versions are immutable)") from None
+            _fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     async def put(self, key: str, src: bytes | Path) -> None:
         await asyncio.to_thread(self._put, key, src)
@@ -99,11 +130,12 @@ class LocalBoard(Board):
             if cur_v is not None and new.version <= cur_v:
                 raise LatestConflict(f"latest of {run} would move back from {cur_v} to "
                                      f"{new.version}")
-            tmp = path.with_name(f".latest.tmp-{os.getpid()}")
-            tmp.write_text(new.model_dump_json())
-            with open(tmp, "rb+") as f:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=".latest.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(new.model_dump_json())
+                f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(name, path)
             _fsync_dir(path.parent)
 
     async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:

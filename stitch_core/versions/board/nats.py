@@ -40,7 +40,15 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from stitch_core.versions.announce import connect
-from stitch_core.versions.board.base import Board, BoardError, LatestConflict, NotFound, check_key
+from stitch_core.versions.board.base import (
+    Board,
+    BoardError,
+    LatestConflict,
+    NotFound,
+    check_key,
+    open_part,
+    part_path,
+)
 from stitch_core.versions.manifest import MANIFEST, Latest, check_run
 
 log = logging.getLogger(__name__)
@@ -289,9 +297,9 @@ class NatsBoard(Board):
         """Stream `key` into `dest.part` (chunk by chunk, digest checked), then rename."""
         check_key(key)
         dest = Path(dest)
-        tmp = dest.with_name(dest.name + ".part")
+        tmp = part_path(dest)
         buf = bytearray()
-        f = await asyncio.to_thread(open, tmp, "wb")
+        f = await asyncio.to_thread(open_part, tmp)
         try:
             async def sink(data: bytes) -> None:
                 buf.extend(data)

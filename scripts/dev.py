@@ -131,6 +131,11 @@ def check_wheel() -> None:
     run(py, "-m", "pip", "install", "-q", "--upgrade", "pip")
     run(py, "-m", "pip", "install", "-q", wheel(), TORCH_SPEC)  # torch pinned: no CUDA build
     run(py, ROOT / "scripts" / "wheel_check.py")
+    # the engine extras resolve as users install them (a dry run: nothing is downloaded whole
+    # where the index serves metadata, nothing installed)
+    for extra in ("vllm", "sglang"):
+        run(py, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+            f"stitch-rl[{extra}] @ {wheel().as_uri()}")
 
 
 def setup_vllm() -> None:

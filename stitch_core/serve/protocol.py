@@ -98,11 +98,21 @@ def _one(headers: HeaderSource, name: str) -> str | None:
     return values.pop() if values else None
 
 
+MAX_VERSION_DIGITS = 19  # versions are below 2**63
+
+
+def _shown(value: str) -> str:
+    """A header value as an error message quotes it: repr, cut to 40 characters."""
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def parse_version(value: str, name: str = VERSION_HEADER) -> int:
-    """A version number: a non-negative decimal integer."""
+    """A version number: a non-negative decimal integer below 2**63 (at most 19 digits; longer
+    is a 400, never a server error)."""
     s = value.strip()
-    if not s.isascii() or not s.isdigit():
-        raise BadRequest(f"{name} must be a non-negative integer, got {value!r}")
+    if not s.isascii() or not s.isdigit() or len(s) > MAX_VERSION_DIGITS or int(s) >= 2**63:
+        raise BadRequest(f"{name} must be a non-negative integer below 2**63, got {_shown(value)}")
     return int(s)
 
 
@@ -111,9 +121,11 @@ def parse_wait(value: str, max_wait: float = DEFAULT_MAX_WAIT) -> float:
     try:
         wait = float(value.strip())
     except ValueError:
-        raise BadRequest(f"{WAIT_HEADER} must be a number of seconds, got {value!r}") from None
+        raise BadRequest(f"{WAIT_HEADER} must be a number of seconds, got {_shown(value)}") \
+            from None
     if not math.isfinite(wait) or wait < 0:
-        raise BadRequest(f"{WAIT_HEADER} must be a finite non-negative number, got {value!r}")
+        raise BadRequest(f"{WAIT_HEADER} must be a finite non-negative number, got "
+                         f"{_shown(value)}")
     return min(wait, max_wait)
 
 

@@ -190,11 +190,9 @@ class EngineFollower:
         return await self.coord.verify()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        from stitch_core.versions.follower import cancel_all
+
+        await cancel_all(self._tasks)
         if self.follower is not None:
             with contextlib.suppress(Exception):
                 await self.follower.stop()

@@ -40,6 +40,16 @@ MAX_HINTS = 4096  # announced versions remembered (for announce -> current timin
 Health = Literal["ok", "degraded", "dead"]
 
 
+async def cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel `tasks`, wait for each to end (whatever it raised) and empty the list."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+    tasks.clear()
+
+
 class Follower:
     """Keeps an apply target at the newest version of `run` on a board (see the module doc)."""
 
@@ -178,12 +188,7 @@ class Follower:
             self.on_dead(err)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+        await cancel_all(self._tasks)
         if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -57,6 +57,9 @@ class Settings(BaseModel):
     engine_id: str | None = None
     engine_url: str | None = None  # advertised in heartbeats
     region: str | None = None
+    # trusted signing keys (comma-separated public-key files or inline keys): only versions
+    # signed by one of them are applied; unset: the board is trusted (logged once)
+    trust: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -121,16 +124,25 @@ class EngineFollower:
     async def _run(self, run: str) -> None:
         from stitch_core.engine.coordinator import Coordinator
         from stitch_core.versions.follower import Follower
+        from stitch_core.versions.trust import TrustSet
 
         s = self.settings
         try:
+            trust = TrustSet.parse(s.trust)
+            if not trust:
+                log.warning("stitch: STITCH_TRUST is not set: this engine trusts the board (any "
+                            "version written to %s is applied unsigned); see docs/security.md",
+                            s.board or self.model_dir)
+            else:
+                log.info("stitch: accepting only versions of %s signed by key(s) %s", run,
+                         ", ".join(trust.ids))
             self.coord = Coordinator(
                 self.rpc, run=run, gate=self.gate,
                 pause=self.pause if s.pause_steps else None,
                 resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
                 loader_fallback=s.loader_fallback, rpc_timeout=s.rpc_timeout,
                 load_timeout=s.load_timeout)
-            version = await self.coord.start(self.model_dir)
+            version = await self.coord.start(self.model_dir, trust=trust or None)
         except Exception as e:
             self.error = f"start-up check failed: {e}"
             log.exception("stitch: %s; not serving", self.error)
@@ -149,7 +161,8 @@ class EngineFollower:
                 cache_dir=s.cache_dir, reconcile_interval=s.reconcile_interval,
                 engine_id=s.engine_id, url=s.engine_url, region=s.region,
                 on_latest=self.gate.set_latest, held=lambda: self.coord.version,
-                on_dead=self._follower_died)
+                on_dead=self._follower_died, trust=trust or None,
+                on_refused=self.gate.refuse_version)
             self.gate.catch_up = self.follower.wait_for
             await self.follower.start()
         except Exception as e:  # e.g. a malformed board URL: not following means not serving
@@ -179,7 +192,8 @@ class EngineFollower:
         if self.follower is not None:
             f = self.follower.status()
             out["follower"] = {k: f[k] for k in ("id", "health", "last_error", "error_since",
-                                                 "nats_connected", "latest")}
+                                                 "nats_connected", "latest", "trusted_keys",
+                                                 "refused")}
         if self.error:
             out["error"] = self.error
         return out

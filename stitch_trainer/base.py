@@ -30,6 +30,7 @@ from stitch_core.versions.manifest import (
     version_dir,
 )
 from stitch_core.versions.store import now
+from stitch_core.versions.trust import SigningKey
 
 from ._io import IOLoop
 
@@ -66,13 +67,19 @@ class PublisherBase:
     """The board side of a publisher of run `run` in served view `view`.
 
     `board`: a URL (opened, and closed by `close_io`) or a Board (left open). Board and NATS I/O
-    run on one background event loop (`call(coro)` from the caller's thread)."""
+    run on one background event loop (`call(coro)` from the caller's thread). `signing_key`: a
+    private key file (`stitch keys new`) or a SigningKey; every manifest and `latest` pointer
+    this publisher writes is then signed with it."""
 
     producer = "stitch-rl publisher"
 
     def __init__(self, board: str | Board, run: str, view: str, *,
-                 config_dir: str | Path | None, io_name: str):
+                 config_dir: str | Path | None, io_name: str,
+                 signing_key: str | Path | SigningKey | None = None):
         self.run = check_run(run)
+        self.signer: SigningKey | None = (
+            signing_key if isinstance(signing_key, SigningKey) or signing_key is None
+            else SigningKey.load(signing_key))
         self.view = view
         self.config_dir = Path(config_dir) if config_dir else None
         self._own_board = isinstance(board, str)
@@ -134,9 +141,11 @@ class PublisherBase:
     def build_manifest(self, *, version: int, parent: int | None, kind: str, step: int | None,
                        rows: Iterable[Row], objects: list[ObjectRef], changed: int | None,
                        producer: str | None = None, created: str | None = None) -> Manifest:
-        """The manifest of one version from its tensors' rows and its objects."""
+        """The manifest of one version from its tensors' rows and its objects (signed when this
+        publisher has a signing key: one signature per version, made here, where it is
+        assembled)."""
         rows = sorted(rows)
-        return Manifest(
+        m = Manifest(
             run=self.run,
             version=version,
             parent=parent,
@@ -152,6 +161,7 @@ class PublisherBase:
             changed_elements=changed,
             total_elements=sum(math.prod(s) for _, _, s, _ in rows),
         )
+        return self.signer.sign(m, "manifest") if self.signer is not None else m
 
     def write_snapshot_files(self, shards: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
                              d: Path, version: int, side_from: Path | None = None,

@@ -28,7 +28,8 @@ def cmd_publish(a: argparse.Namespace) -> int:
     config_dir = a.config_dir or (str(src.path) if src.is_dir else None)
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
     with Publisher(
-        a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every, config_dir=config_dir
+        a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every,
+        config_dir=config_dir, signing_key=a.sign,
     ) as pub:
         if pub.published is not None:  # diff against the run's latest: materialise it
             prev = pub.published
@@ -57,6 +58,7 @@ def cmd_publish(a: argparse.Namespace) -> int:
         "changed_elements": m.changed_elements,
         "total_elements": m.total_elements,
         "digest": m.digest,
+        "signed_by": m.signed_by,
     }
     if a.json:
         print(json.dumps(out))
@@ -81,5 +83,8 @@ def add_publish(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--snapshot-every", type=int, default=0, help="every K-th version a snapshot")
     p.add_argument("--config-dir", help="HF dir with config/tokenizer files for snapshots")
     p.add_argument("--cache-dir")
+    p.add_argument("--sign", metavar="PATH",
+                   help="sign the version (manifest and latest) with this private key "
+                        "(`stitch keys new PATH`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_publish)

@@ -172,6 +172,7 @@ class FSDPPublisher(PublisherBase):
         group: dist.ProcessGroup | None = None,
         config_dir: str | Path | None = None,
         spool_dir: str | Path | None = None,
+        signing_key: str | Path | None = None,
     ):
         v = parse_view(view)
         if v.kind == "fp8-e4m3":
@@ -192,7 +193,8 @@ class FSDPPublisher(PublisherBase):
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
         # board and NATS I/O on one loop, kept alive between calls
-        super().__init__(board, run, v.name, config_dir=config_dir, io_name="stitch-fsdp-io")
+        super().__init__(board, run, v.name, config_dir=config_dir, io_name="stitch-fsdp-io",
+                         signing_key=signing_key if self.rank == 0 else None)
         self._spool = Path(tempfile.mkdtemp(prefix=f"stitch-fsdp-{self.rank}-", dir=spool_dir))
         if nats and self.rank == 0:
             self._call(self.connect_nats(nats, f"stitch-fsdp-{self.run}"))
@@ -438,9 +440,10 @@ class FSDPPublisher(PublisherBase):
     async def _write_patch_version(self, m: Manifest) -> None:
         """Rank 0, after every part is on the board: the manifest, then `latest`, then NATS."""
         await self.board.put(manifest_key(m.run, m.version), m.model_dump_json(indent=1).encode())
-        await self.board.move_latest(
-            m.run, m.parent, Latest(run=m.run, version=m.version, kind=m.kind, updated=now())
-        )
+        latest = Latest(run=m.run, version=m.version, kind=m.kind, updated=now())
+        if self.signer is not None:
+            latest = self.signer.sign(latest, "latest")
+        await self.board.move_latest(m.run, m.parent, latest)
         await self.announce(m)
 
     async def _publish_snapshot(self, ck: Checkpoint, step: int | None) -> Manifest:
@@ -453,7 +456,7 @@ class FSDPPublisher(PublisherBase):
             roles = {p: "side" if p.name in SIDE_FILES else "weights" for p in files.values()}
             objects = [await asyncio.to_thread(object_ref, p, r) for p, r in roles.items()]
             m = self._manifest(0, None, "snapshot", step, rows, objects, None, now())
-            await write_version(self.board, m, files, expected_latest=None)
+            await write_version(self.board, m, files, expected_latest=None, signer=self.signer)
             await self.announce(m)
             return m
         finally:
@@ -477,7 +480,9 @@ class FSDPPublisher(PublisherBase):
 
 
 def _sha(m: Manifest) -> str:
-    return hashlib.sha256(m.model_dump_json().encode()).hexdigest()
+    """What every rank must agree on: the manifest without its signature (rank 0 signs)."""
+    return hashlib.sha256(
+        m.model_dump_json(exclude={"signed_by", "signature"}).encode()).hexdigest()
 
 
 def _is_pull_of(ck: Checkpoint | None, m: Manifest) -> bool:

@@ -57,10 +57,12 @@ class MegatronPublisher(FSDPPublisher):
         nats: str | None = None,
         config_dir: str | Path | None = None,
         spool_dir: str | Path | None = None,
+        signing_key: str | Path | None = None,
     ):
         layout.check_rank(tp_rank, pp_rank)
         super().__init__(
-            board, run, view, nats=nats, group=group, config_dir=config_dir, spool_dir=spool_dir
+            board, run, view, nats=nats, group=group, config_dir=config_dir, spool_dir=spool_dir,
+            signing_key=signing_key,
         )
         self.layout, self.tp_rank, self.pp_rank = layout, tp_rank, pp_rank
         self._hf = layout.hf_shapes()

@@ -89,8 +89,10 @@ class Publisher(PublisherBase):
         config_dir: str | Path | None = None,
         spool_dir: str | Path | None = None,
         max_shard_bytes: int = 5 << 30,
+        signing_key: str | Path | None = None,
     ):
-        super().__init__(board, run, view, config_dir=config_dir, io_name="stitch-publisher-io")
+        super().__init__(board, run, view, config_dir=config_dir, io_name="stitch-publisher-io",
+                         signing_key=signing_key)
         self.snapshot_every = snapshot_every
         self.nats_url = nats
         self.max_shard_bytes = max_shard_bytes
@@ -256,7 +258,8 @@ class Publisher(PublisherBase):
         m = self.build_manifest(version=info.version, parent=parent, kind=kind, step=info.step,
                                 rows=rows_of(view, fps), objects=objects, changed=changed)
         info.kind, info.parent = kind, m.parent
-        await write_version(self.board, m, files, expected_latest=self._published)
+        await write_version(self.board, m, files, expected_latest=self._published,
+                            signer=self.signer)
         self._published = info.version
         self._base = (info.version, view, fps)
         await self.announce(m)

@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from stitch_core import __version__
+from stitch_core.cli import keys
 from stitch_core.cli.versions import add_parsers
 from stitch_core.errors import StitchError
 from stitch_core.format.checkpoint import open_checkpoint
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--all", action="store_true", help="list unchanged tensors too")
     i.set_defaults(fn=cmd_inspect)
     add_parsers(sub)
+    keys.add_parsers(sub)
     add_plugin_verbs(sub)
     return p
 

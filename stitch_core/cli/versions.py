@@ -8,10 +8,11 @@ import json
 import time
 from pathlib import Path
 
+from stitch_core.cli.keys import trust_set
 from stitch_core.versions.board import open_board
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.materialize import default_cache_dir, pull
-from stitch_core.versions.store import list_manifests
+from stitch_core.versions.store import RefusedVersion, check_signed, list_manifests
 
 # `pull` and `list_manifests` are library code in stitch_core.versions (still importable from here
 # for one release); PULLED_MANIFEST is owned by stitch_core.versions.manifest
@@ -32,7 +33,8 @@ def cmd_pull(a: argparse.Namespace) -> int:
     async def go() -> Manifest:
         async with open_board(a.board) as board:
             v = None if a.version in (None, "latest") else int(a.version)
-            return await pull(board, a.run, v, Path(a.output), default_cache(a), force=a.force)
+            return await pull(board, a.run, v, Path(a.output), default_cache(a), force=a.force,
+                              trust=trust_set(a))
 
     t0 = time.perf_counter()
     m = asyncio.run(go())
@@ -63,6 +65,7 @@ def cmd_versions(a: argparse.Namespace) -> int:
             return await list_manifests(board, a.run), await board.read_latest(a.run)
 
     ms, latest = asyncio.run(go())
+    trust = trust_set(a)
     rows = [
         {
             "version": m.version,
@@ -75,6 +78,8 @@ def cmd_versions(a: argparse.Namespace) -> int:
             "full_bytes": m.full_bytes,
             "created": m.created,
             "digest": m.digest,
+            "signed_by": m.signed_by,
+            **({"trusted": _trusted(m, trust)} if trust else {}),
         }
         for m in ms
     ]
@@ -96,12 +101,25 @@ def cmd_versions(a: argparse.Namespace) -> int:
             else f"{100 * r['changed_elements'] / max(r['total_elements'], 1):.3f}"
         )
         star = " *" if latest and r["version"] == latest.version else ""
+        signed = r["signed_by"] or "-"
+        if "trusted" in r:
+            signed += " ok" if r["trusted"] is True else " REFUSED"
         print(
             f"{r['version']:>7} {r['kind']:<8} {r['parent'] if r['parent'] is not None else '':>6} "
             f"{r['step'] if r['step'] is not None else '':>6} {pct:>10} "
             f"{r['patch_bytes'] or '':>12} {r['full_bytes'] or '':>12}  {r['created']}{star}"
+            f"  {signed}"
         )
     return 0
+
+
+def _trusted(m: Manifest, trust) -> bool | str:
+    """True if the trust set accepts `m`'s signature, else the reason it does not."""
+    try:
+        check_signed(m, trust)
+    except RefusedVersion as e:
+        return str(e)
+    return True
 
 
 # ---------------------------------------------------------------- status / up / serve
@@ -109,12 +127,10 @@ def cmd_versions(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     """`stitch status`: the fleet table from engine heartbeats; returns the exit status."""
-    import nats
+    from stitch_core.versions.announce import connect, fleet
 
-    from stitch_core.versions.announce import fleet
-
-    async def go():
-        nc = await nats.connect(a.nats, connect_timeout=5, max_reconnect_attempts=1)
+    async def go():  # connect(): $STITCH_NATS_CREDS and $STITCH_NATS_TLS_* apply
+        nc = await connect(a.nats, name="stitch-status")
         try:
             return await fleet(nc.jetstream(), a.run)
         finally:
@@ -178,12 +194,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--cache-dir")
     pl.add_argument("--force", action="store_true")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--trust", action="append", metavar="PUB",
+                    help="accept only versions signed by this public key (a .pub file or an "
+                         "inline ed25519:... key; repeatable; default $STITCH_TRUST)")
     pl.set_defaults(fn=cmd_pull)
 
     v = sub.add_parser("versions", help="list a run's versions")
     v.add_argument("board")
     v.add_argument("--run", required=True)
     v.add_argument("--json", action="store_true")
+    v.add_argument("--trust", action="append", metavar="PUB",
+                   help="also check each version's signature against these keys (repeatable)")
     v.set_defaults(fn=cmd_versions)
 
     s = sub.add_parser("status", help="fleet table from engine heartbeats")

@@ -60,7 +60,8 @@ from stitch_core.format.patch import (
 )
 from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.store import Step
+from stitch_core.versions.store import RefusedVersion, Step, check_signed
+from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.engine")
 # the adapter's transport: one typed request to every rank, one reply per rank (rank order)
@@ -179,10 +180,23 @@ class Coordinator:
 
     # ------------------------------------------------------------ start-up
 
-    async def start(self, model_dir: str | Path) -> int | None:
-        """Learn layouts on every rank and prove the loaded weights; returns the held version."""
+    async def start(self, model_dir: str | Path, trust: TrustSet | None = None) -> int | None:
+        """Learn layouts on every rank and prove the loaded weights; returns the held version.
+        With a trust set the directory must carry a manifest signed by one of its keys (what the
+        ranks hold is then proven against that manifest's fingerprints)."""
         model_dir = Path(model_dir)
         m = read_pulled_manifest(model_dir)
+        if trust:
+            if m is None:
+                raise EngineStateError(
+                    f"a trust set is configured but {model_dir} has no {PULLED_MANIFEST} (start "
+                    "from `stitch pull --trust ...` output): nothing signed to prove it against")
+            try:
+                kid = check_signed(m, trust)
+            except RefusedVersion as e:
+                raise EngineStateError(f"refusing to serve {model_dir}: {e}") from None
+            log.info("stitch: %s v%d in %s is signed by trusted key %s", m.run, m.version,
+                     model_dir, kid)
         if m is not None:
             if self.run is not None and m.run != self.run:
                 raise EngineStateError(f"{model_dir} holds run {m.run!r}, not {self.run!r}")

@@ -46,6 +46,9 @@ Mode = Literal["immediate", "drain"]
 MODES: tuple[str, ...] = ("immediate", "drain")
 
 
+REFUSED_KEPT = 16  # refused versions remembered by a gate (newest)
+
+
 class NotReady(StitchError):
     """A request the gate cannot serve: answer HTTP 409 with `body` and ``Retry-After``."""
 
@@ -128,6 +131,7 @@ class VersionGate:
         self._pinned: dict[int, int] = {}  # exact version -> in-flight pinned requests
         self._catchup_task: asyncio.Task | None = None
         self._catchup_target: int | None = None
+        self.refused: dict[int, str] = {}  # versions refused (e.g. untrusted) -> why, newest few
 
     # ----- state -----
 
@@ -188,6 +192,18 @@ class VersionGate:
         while self.version is None:
             await self._changed.wait()
         return self.version
+
+    def refuse_version(self, v: int, reason: str | None) -> None:
+        """Version `v` was refused (e.g. its signature is not trusted): requests wanting it get a
+        409 ``refused`` naming why, at once, instead of waiting for it. `reason` None: `v` is
+        accepted after all (replaced on the board by a good one)."""
+        if reason is None:
+            self.refused.pop(int(v), None)
+            return
+        self.refused[int(v)] = reason
+        while len(self.refused) > REFUSED_KEPT:
+            del self.refused[min(self.refused)]
+        self._wake()
 
     def set_latest(self, v: int) -> None:
         """The newest published version is (at least) `v`."""
@@ -262,8 +278,13 @@ class VersionGate:
 
     def _refuse(self, reason: protocol.Reason, wanted: int | None,
                 retry_after: int | None = None) -> NotReady:
+        message = None
+        if reason == "refused" and wanted in self.refused:
+            said = protocol.describe(reason, serving=self.version, wanted=wanted,
+                                     latest=self.latest)
+            message = f"{said}: {self.refused[wanted]}"
         body = protocol.not_ready_body(run=self.run, serving=self.version, wanted=wanted,
-                                       latest=self.latest, reason=reason)
+                                       latest=self.latest, reason=reason, message=message)
         if retry_after is None:
             retry_after = 1
             if reason == "behind" and self.last_apply_seconds:
@@ -275,6 +296,9 @@ class VersionGate:
     def _check(self, exact: int | None, minimum: int | None
                ) -> tuple[Literal["ok", "wait", "refuse"], protocol.Reason | None]:
         v = self.version
+        wanted = exact if exact is not None else minimum
+        if wanted is not None and wanted in self.refused and (v is None or wanted > v):
+            return "refuse", "refused"
         if v is None:
             return "wait", "not_ready"
         if exact is not None:

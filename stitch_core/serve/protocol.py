@@ -45,14 +45,18 @@ STATUS_PATH = "/stitch/status"
 DEFAULT_MAX_WAIT = 600.0
 SALT_PREFIX = "stitch"
 
-Reason = Literal["not_ready", "behind", "passed", "draining", "applying", "version_changed"]
+Reason = Literal["not_ready", "behind", "passed", "draining", "applying", "version_changed",
+                 "refused"]
 """Why a request was refused (the ``reason`` field of a 409 body):
 
 * ``not_ready``        the engine holds no verified version yet;
 * ``behind``           the engine is older than the request wants (and did not catch up in time);
 * ``passed``           an exact version older than the one serving (engines never go back);
 * ``draining``/``applying``  an exact pin on the outgoing version while an apply is under way;
-* ``version_changed``  an exact-pinned request was in flight when the serving version changed.
+* ``version_changed``  an exact-pinned request was in flight when the serving version changed;
+* ``refused``          the engine refused the wanted version (e.g. not signed by a trusted key;
+                       the message names the version and the key) and keeps serving the last
+                       good one.
 """
 
 
@@ -188,6 +192,8 @@ def describe(reason: Reason, *, serving: int | None, wanted: int | None,
     if reason == "passed":
         return (f"version {wanted} is no longer served here (serving {serving}); "
                 "engines never go back")
+    if reason == "refused":
+        return f"version {wanted} was refused by this engine (serving {serving})"
     if reason in ("draining", "applying"):
         return (f"version {wanted} is being replaced by a newer one on this engine; "
                 "retry with a newer version")

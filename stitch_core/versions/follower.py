@@ -31,10 +31,20 @@ from stitch_core.versions.board import Board, open_board
 from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
 from stitch_core.versions.materialize import default_cache_dir
 from stitch_core.versions.state import engine_state, lag
-from stitch_core.versions.store import Step, fetch_object, fetch_patch, plan, read_manifest
+from stitch_core.versions.store import (
+    RefusedVersion,
+    Step,
+    fetch_object,
+    fetch_patch,
+    plan,
+    read_latest,
+    read_manifest,
+)
+from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.follower")
 ApplyFn = Callable[[Step, Path], Awaitable[None]]
+REFUSED_KEPT = 16  # refused versions remembered (newest)
 HINT_SLACK = 1024  # an announcement this far beyond the newest known version is suspicious
 MAX_HINTS = 4096  # announced versions remembered (for announce -> current timings), at most
 Health = Literal["ok", "degraded", "dead"]
@@ -60,7 +70,9 @@ class Follower:
                  url: str | None = None, region: str | None = None, max_chain: int = 64,
                  on_latest: Callable[[int], None] | None = None,
                  held: Callable[[], int | None] | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 trust: TrustSet | None = None,
+                 on_refused: Callable[[int, str | None], None] | None = None):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
@@ -77,6 +89,12 @@ class Follower:
         self.url, self.region, self.max_chain = url, region, max_chain
         self.on_latest = on_latest  # told every time a newer published version is seen
         self.on_dead = on_dead  # told once if the follow loop ends (it never should)
+        # with keys: only versions (and `latest` pointers) signed by one of them are believed
+        self.trust = trust if trust else None
+        # told (version, one-line reason) once per refused version; (version, None) if that
+        # version is accepted later (an operator replaced it with a signed one)
+        self.on_refused = on_refused
+        self.refused: dict[int, str] = {}  # refused versions -> why (newest REFUSED_KEPT)
         self.error_since: float | None = None  # wall time of the first error of a failing run
         self.dead: str | None = None  # why the follow loop ended
         self.applying = False
@@ -139,7 +157,27 @@ class Follower:
                 "last_error": self.dead or self.last_error, "error_since": self.error_since,
                 "nats_connected": self.nats_connected,
                 "last_apply_seconds": self.last_apply_seconds,
-                "patch_bytes_total": self.patch_bytes_total}
+                "patch_bytes_total": self.patch_bytes_total,
+                "trusted_keys": self.trust.ids if self.trust else None,
+                "refused": self._last_refusal()}
+
+    def _last_refusal(self) -> dict | None:
+        if not self.refused:
+            return None
+        v = max(self.refused)
+        return {"version": v, "reason": self.refused[v]}
+
+    def _refuse(self, version: int, err: RefusedVersion) -> None:
+        """`version` is not accepted by the trust set: logged and told once; nothing applied."""
+        if self.refused.get(version) == str(err):
+            return
+        self.refused[version] = str(err)
+        while len(self.refused) > REFUSED_KEPT:
+            del self.refused[min(self.refused)]
+        log.error("follower %s: refusing %s v%d: %s; still at v%s", self.id, self.run, version,
+                  err, self.version)
+        if self.on_refused is not None:
+            self.on_refused(version, str(err))
 
     # -------------------------------------------------------------- lifecycle
 
@@ -239,7 +277,8 @@ class Follower:
                     self.last_error = str(e)
                 if self.error_since is None:
                     self.error_since = time.time()
-                log.warning("follower %s: %s", self.id, e)
+                if not isinstance(e, RefusedVersion):  # refusals are logged once (_refuse)
+                    log.warning("follower %s: %s", self.id, e)
             else:  # the board was read and everything on it applied: healthy again
                 self.last_error = self.error_since = None
             self._wake.clear()
@@ -264,9 +303,21 @@ class Follower:
     async def sync(self) -> int | None:
         """Reconcile once: read the board's `latest` and the manifest it points to (a version is
         believed only once its manifest is read back), catch up to it. The version now held."""
-        latest = await self.board.read_latest(self.run)
+        try:
+            latest = await read_latest(self.board, self.run, self.trust)
+        except RefusedVersion as e:  # an unsigned or foreign-signed pointer: believe nothing
+            raw = await self.board.read_latest(self.run)
+            if raw is not None:
+                self._refuse(raw.version, e)
+            raise
         if latest is not None and (self.latest is None or latest.version > self.latest):
-            m = await read_manifest(self.board, self.run, latest.version)
+            try:
+                m = await read_manifest(self.board, self.run, latest.version, self.trust)
+            except RefusedVersion as e:
+                self._refuse(latest.version, e)
+                raise
+            if self.refused.pop(m.version, None) is not None and self.on_refused is not None:
+                self.on_refused(m.version, None)  # a good version replaced the refused one
             self._saw(m.version)
         if self.latest is not None and (self.version is None or self.latest > self.version):
             await self.catch_up(self.latest)
@@ -277,7 +328,8 @@ class Follower:
         async with self._lock:
             if self.version is not None and self.version >= target:
                 return
-            steps = await plan(self.board, self.run, self.version, target, self.max_chain)
+            steps = await plan(self.board, self.run, self.version, target, self.max_chain,
+                               trust=self.trust)
             for step in steps:
                 t_fetch = time.perf_counter()
                 step = await self._fetch(step)

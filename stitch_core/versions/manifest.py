@@ -19,6 +19,9 @@ MANIFEST = "manifest.json"
 # a pulled directory's copy of its version's manifest, next to the weights (`stitch pull` writes
 # it, engines started from the directory read it)
 PULLED_MANIFEST = "stitch-manifest.json"
+KEY_ID_PATTERN = r"^[0-9a-f]{16}$"  # stitch_core.versions.trust.key_id
+MAX_VERSION = 2**53 - 1  # the largest version number (exact as a JSON number everywhere)
+SIGNATURE_MAX = 128  # base64 of a 64-byte ed25519 signature is 88 characters
 
 
 def check_run(run: str) -> str:
@@ -77,7 +80,7 @@ class Manifest(BaseModel):
     format: Literal["stitch-manifest"] = "stitch-manifest"
     format_version: Literal[1] = 1
     run: str
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
     parent: int | None = None
     kind: Literal["patch", "snapshot"]
     view: str
@@ -90,6 +93,10 @@ class Manifest(BaseModel):
     changed_elements: int | None = None  # vs parent, when a patch was made
     total_elements: int = Field(ge=0)
     metadata: dict[str, str] = {}
+    # ed25519 signature by the publisher (stitch_core.versions.trust): `signed_by` (the key id)
+    # is part of what is signed, `signature` (base64) is not
+    signed_by: str | None = Field(default=None, pattern=KEY_ID_PATTERN)
+    signature: str | None = Field(default=None, max_length=SIGNATURE_MAX)
 
     @field_validator("run")
     @classmethod
@@ -146,9 +153,16 @@ class Latest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     run: str
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION)
     kind: Literal["patch", "snapshot"]
-    updated: str
+    updated: str = Field(max_length=64)
+    signed_by: str | None = Field(default=None, pattern=KEY_ID_PATTERN)  # as in Manifest
+    signature: str | None = Field(default=None, max_length=SIGNATURE_MAX)
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        return check_run(v)
 
 
 class Announcement(BaseModel):
@@ -156,7 +170,7 @@ class Announcement(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     run: str
-    version: int
+    version: int = Field(ge=0, le=MAX_VERSION)
     parent: int | None
     kind: Literal["patch", "snapshot"]
     board: str  # board URL

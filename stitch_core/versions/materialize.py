@@ -29,7 +29,15 @@ from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, ch
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board.base import Board
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.store import VersionError, fetch_object, fetch_patch, plan
+from stitch_core.versions.store import (
+    VersionError,
+    fetch_object,
+    fetch_patch,
+    plan,
+    read_latest,
+    read_manifest,
+)
+from stitch_core.versions.trust import TrustSet
 
 
 def check_chain(base: Checkpoint, readers: list[PatchReader]) -> None:
@@ -150,16 +158,20 @@ async def pull(
     *,
     force: bool = False,
     quiet: bool = False,
+    trust: TrustSet | None = None,
 ) -> Manifest:
-    """Materialise `version` (None: latest) of `run` as an HF directory at `out`."""
+    """Materialise `version` (None: latest) of `run` as an HF directory at `out`. With a trust
+    set, `latest` and every manifest used must be signed by one of its keys (RefusedVersion
+    before anything is fetched or written)."""
     if version is None:
-        latest = await board.read_latest(run)
+        latest = await read_latest(board, run, trust)
         if latest is None:
             raise VersionError(f"run {run!r} has no versions on {board.url}")
         version = latest.version
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists (use --force to replace it)")
-    steps = await plan(board, run, None, version)
+    await read_manifest(board, run, version, trust)  # the target itself: refused by name
+    steps = await plan(board, run, None, version, trust=trust)
     snap, patches = steps[0], steps[1:]
     files = [r for r in snap.manifest.objects if r.role != "patch"]
     total = sum(r.size for r in files) + sum(s.manifest.patch_bytes for s in patches)

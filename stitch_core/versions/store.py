@@ -16,12 +16,18 @@ from pydantic import ValidationError
 
 from stitch_core.versions.board.base import Board, BoardError, NotFound
 from stitch_core.versions.manifest import Latest, Manifest, ObjectRef, manifest_key, version_dir
+from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
 
 log = logging.getLogger(__name__)
 
 
 class VersionError(BoardError):
     """A version on the board is malformed, foreign, or its objects do not match the manifest."""
+
+
+class RefusedVersion(VersionError, UntrustedVersion):
+    """A version (or `latest`) the trust set does not accept: unsigned, signed by an untrusted
+    key, or its signature does not match (both a VersionError and an UntrustedVersion)."""
 
 
 def now() -> str:
@@ -45,20 +51,38 @@ def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
 
 
 async def write_version(board: Board, manifest: Manifest, files: dict[str, Path],
-                        expected_latest: int | None) -> None:
-    """Upload objects, then the manifest, then CAS `latest` (objects durable before it moves)."""
+                        expected_latest: int | None, signer: SigningKey | None = None) -> None:
+    """Upload objects, then the manifest, then CAS `latest` (objects durable before it moves).
+    With `signer`, the manifest (unless already signed by it) and `latest` are signed."""
+    if signer is not None and manifest.signed_by != signer.id:
+        manifest = signer.sign(manifest, "manifest")
     vdir = version_dir(manifest.run, manifest.version)
     for ref in manifest.objects:
         await board.put(f"{vdir}/{ref.path}", files[ref.path])
     await board.put(manifest_key(manifest.run, manifest.version),
                     manifest.model_dump_json(indent=1).encode())
-    await board.move_latest(manifest.run, expected_latest,
-                            Latest(run=manifest.run, version=manifest.version, kind=manifest.kind,
-                                   updated=now()))
+    latest = Latest(run=manifest.run, version=manifest.version, kind=manifest.kind,
+                    updated=now())
+    if signer is not None:
+        latest = signer.sign(latest, "latest")
+    await board.move_latest(manifest.run, expected_latest, latest)
 
 
-async def read_manifest(board: Board, run: str, version: int) -> Manifest:
-    """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced."""
+def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:
+    """The trusted key id that signed `m` (None without a trust set); RefusedVersion if the
+    trust set does not accept it."""
+    if not trust:
+        return None
+    try:
+        return trust.check(m, "manifest", f"{m.run} v{m.version}")
+    except UntrustedVersion as e:
+        raise RefusedVersion(str(e)) from None
+
+
+async def read_manifest(board: Board, run: str, version: int,
+                        trust: TrustSet | None = None) -> Manifest:
+    """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced,
+    RefusedVersion if a trust set is given and does not accept its signature."""
     raw = await board.get(manifest_key(run, version))
     try:
         m = Manifest.model_validate_json(raw)
@@ -68,7 +92,23 @@ async def read_manifest(board: Board, run: str, version: int) -> Manifest:
     if m.run != run or m.version != version:
         raise VersionError(f"manifest at {run} v{version} describes {m.run} v{m.version} "
                            "(foreign or misplaced)")
+    check_signed(m, trust)
     return m
+
+
+async def read_latest(board: Board, run: str, trust: TrustSet | None = None) -> Latest | None:
+    """`run`'s `latest` pointer (None if there is none yet); with a trust set, RefusedVersion
+    unless it is signed by a trusted key."""
+    latest = await board.read_latest(run)
+    if latest is None or not trust:
+        return latest
+    if latest.run != run:
+        raise VersionError(f"latest of {run} names run {latest.run}")
+    try:
+        trust.check(latest, "latest", f"{run} latest (v{latest.version})")
+    except UntrustedVersion as e:
+        raise RefusedVersion(str(e)) from None
+    return latest
 
 
 async def fetch_patch(board: Board, m: Manifest, cache: Path) -> list[Path]:
@@ -131,12 +171,14 @@ class Step:
 
 
 async def plan(board: Board, run: str, have: int | None, target: int,
-               max_chain: int = 64, *, fallback_ok: bool = True) -> list[Step]:
+               max_chain: int = 64, *, fallback_ok: bool = True,
+               trust: TrustSet | None = None) -> list[Step]:
     """Cheapest known path from `have` (None: nothing) to `target`.
 
     Walk parents back from target; every version with a patch object is a patch step. Stop at
     `have` (a chain), or at a snapshot when the chain would be longer than max_chain, broken
     (missing or malformed manifest), or there is nothing held. Raises VersionError if no path.
+    With a trust set every manifest on the path must be signed by one of its keys.
     """
     steps: list[Step] = []
     v: int | None = target
@@ -144,7 +186,7 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     reason = "the chain of parents does not reach it"
     while v is not None and (have is None or v > have):
         try:
-            m = await read_manifest(board, run, v)
+            m = await read_manifest(board, run, v, trust)
         except (NotFound, VersionError) as e:
             log.warning("version %s of %s unusable (%s); looking for a snapshot", v, run, e)
             reason = str(e)
@@ -165,7 +207,7 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     if not fallback_ok:
         raise VersionError(f"no path from {run} v{have} to v{target}: {reason}")
     # chain broken or not reaching `have`: scan back for the nearest usable snapshot
-    return await _from_snapshot(board, run, target)
+    return await _from_snapshot(board, run, target, trust)
 
 
 # manifests read at most when searching back for a snapshot (bounded work whatever the board or
@@ -173,7 +215,8 @@ async def plan(board: Board, run: str, have: int | None, target: int,
 MAX_SNAPSHOT_SCAN = 1024
 
 
-async def _from_snapshot(board: Board, run: str, target: int) -> list[Step]:
+async def _from_snapshot(board: Board, run: str, target: int,
+                         trust: TrustSet | None = None) -> list[Step]:
     versions = await board.list_versions(run)
     candidates = sorted((x for x in versions if x <= target), reverse=True) if versions else \
         range(target, -1, -1)
@@ -182,12 +225,13 @@ async def _from_snapshot(board: Board, run: str, target: int) -> list[Step]:
             raise VersionError(f"no usable snapshot of {run} within {MAX_SNAPSHOT_SCAN} versions "
                                f"before v{target}")
         try:
-            m = await read_manifest(board, run, s)
+            m = await read_manifest(board, run, s, trust)
         except (NotFound, VersionError):
             continue
         if m.kind != "snapshot":
             continue
-        rest = await plan(board, run, s, target, fallback_ok=False) if s < target else []
+        rest = await plan(board, run, s, target, fallback_ok=False, trust=trust) \
+            if s < target else []
         return [Step("snapshot", m), *rest]
     raise VersionError(f"no path to {run} v{target}: no usable snapshot at or before it")
 

@@ -114,7 +114,8 @@ class Trainer:
     """A real HF model trained by transformers with AdamW on random tokens, publishing every
     step (v0 is the untrained model)."""
 
-    def __init__(self, model_dir, board, nats: str, run: str, lr: float = 2e-3):
+    def __init__(self, model_dir, board, nats: str, run: str, lr: float = 2e-3,
+                 signing_key: Path | None = None):
         from transformers import AutoModelForCausalLM
 
         from stitch_trainer import Publisher
@@ -122,7 +123,8 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.g = torch.Generator().manual_seed(0)
-        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir)
+        self.pub = Publisher(str(board), run, "bf16", nats=nats, config_dir=model_dir,
+                             signing_key=signing_key)
         self.step = 0
         self.lock = threading.Lock()
 

@@ -340,3 +340,51 @@ async def test_a_tensor_the_engine_does_not_load_is_neither_proven_nor_written(t
     want = _engines(2, {k: v for k, v in views[2].items() if k != "extra.weight"})
     assert all(_same(a, b) for a, b in zip(engines, want, strict=True))
     assert (await coord.verify())["ok"] is True
+
+
+async def test_start_with_trust_set_proves_the_pulled_dir_against_a_signed_manifest(published,
+                                                                                   tmp_path):
+    """STITCH_TRUST on an engine: its directory must carry a manifest signed by a trusted key;
+    an unsigned one, one by another key, an edited one or none at all is refused at start-up
+    (the engine never serves); a signed one is proven rank by rank as without trust."""
+    from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+    from stitch_core.versions.trust import SigningKey, TrustSet, new_key
+
+    root, views = published
+    for n in ("good", "other"):
+        new_key(tmp_path / n)
+    good, other = SigningKey.load(tmp_path / "good"), SigningKey.load(tmp_path / "other")
+    trust = TrustSet.parse([f"{tmp_path / 'good'}.pub"])
+    d = root / "pulled-trust"
+    if not d.exists():
+        await pull(LocalBoard(root / "board"), RUN, 3, d, root / "cache", quiet=True)
+    unsigned = Manifest.model_validate_json((d / PULLED_MANIFEST).read_text())
+
+    def start_with(m: Manifest | None):
+        if m is None:
+            (d / PULLED_MANIFEST).unlink(missing_ok=True)
+        else:
+            (d / PULLED_MANIFEST).write_text(m.model_dump_json())
+        engines = _engines(2, views[3])
+        coord = Coordinator(_rpc([RankReplica(e) for e in engines]), run=RUN,
+                            loader_fallback=True)
+        return coord, coord.start(d, trust=trust)
+
+    signed = good.sign(unsigned, "manifest")
+    edited = signed.model_copy(update={"created": "2020-01-01T00:00:00.000+00:00"})
+    for m, why in [(unsigned, "is unsigned"), (other.sign(unsigned, "manifest"), "not trusted"),
+                   (edited, "does not match"), (None, "has no stitch-manifest.json")]:
+        coord, started = start_with(m)
+        with pytest.raises(EngineStateError, match=why):
+            await started
+        assert coord.version is None  # holds nothing: serves nothing
+    coord, started = start_with(signed)
+    assert await started == 3 and coord.check["ok"] is True
+    # a signed manifest whose fingerprints are not what the ranks hold is not proven either
+    fake = good.sign(unsigned.model_copy(update={"tensors": [
+        unsigned.tensors[0].model_copy(update={"fingerprint": "0" * 16}),
+        *unsigned.tensors[1:]]}), "manifest")
+    coord, started = start_with(fake)
+    with pytest.raises(EngineStateError):
+        await started
+    (d / PULLED_MANIFEST).write_text(unsigned.model_dump_json())

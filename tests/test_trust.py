@@ -26,7 +26,6 @@ from stitch_core.format.patch import diff
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_core.versions.manifest import Latest, Manifest, manifest_key
-from stitch_core.versions.materialize import pull
 from stitch_core.versions.store import (
     RefusedVersion,
     VersionError,

@@ -99,7 +99,11 @@ async def read_manifest(board: Board, run: str, version: int,
 async def read_latest(board: Board, run: str, trust: TrustSet | None = None) -> Latest | None:
     """`run`'s `latest` pointer (None if there is none yet); with a trust set, RefusedVersion
     unless it is signed by a trusted key."""
-    latest = await board.read_latest(run)
+    try:
+        latest = await board.read_latest(run)
+    except ValueError as e:  # pydantic's ValidationError: what the board holds is not a Latest
+        first = " ".join(str(e).splitlines()[:3])
+        raise VersionError(f"malformed latest for {run}: {first}") from None
     if latest is None or not trust:
         return latest
     if latest.run != run:

@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import hashlib
 import logging
+import math
 import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from stitch_core.engine import rpc
-from stitch_core.serve.asgi import StitchASGI, send_json
+from stitch_core.serve import protocol
+from stitch_core.serve.asgi import ASGIApp, Scope, StitchASGI, send_json
+from stitch_core.serve.routes import Route
 
 log = logging.getLogger("stitch.engine")
 
@@ -212,18 +220,134 @@ class EngineFollower:
                 await self.follower.stop()
 
 
+VERIFY_PATH = "/stitch/verify"
+VERIFY_COOLDOWN = 10.0  # default seconds between two verifies (STITCH_VERIFY_COOLDOWN)
+UNAUTHORIZED = {"error": "Unauthorized"}  # the 401 body of vLLM's and SGLang's key checks
+
+Check = Callable[[Scope], bool]
+Guard = Callable[[ASGIApp], ASGIApp]
+
+
+def _authorization(scope: Scope) -> str:
+    for k, v in scope.get("headers", []):
+        if k.lower() == b"authorization":
+            return v.decode("latin-1")
+    return ""
+
+
+def bearer_check(keys: Iterable[str | None]) -> Check | None:
+    """A check of ``Authorization: Bearer <key>`` against `keys` (constant time, as the engines
+    compare); None when no key is configured (open)."""
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+    if not digests:
+        return None
+
+    def check(scope: Scope) -> bool:
+        scheme, _, token = _authorization(scope).partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        got = hashlib.sha256(token.encode("latin-1", "replace")).digest()
+        ok = False
+        for d in digests:
+            ok |= secrets.compare_digest(got, d)
+        return ok
+
+    return check
+
+
+async def unauthorized(scope: Scope, send: Any) -> None:
+    """The engines' own 401 (a WebSocket handshake: closed, policy violation)."""
+    if scope.get("type") == "websocket":
+        await send({"type": "websocket.close", "code": 1008, "reason": "Unauthorized"})
+        return
+    await send_json(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+
+
+def check_guard(check: Check) -> Guard:
+    """A guard (`StitchASGI.set_guard`) answering 401 where `check` fails."""
+    def guard(inner: ASGIApp) -> ASGIApp:
+        async def guarded(scope: Scope, receive: Any, send: Any) -> None:
+            if check(scope):
+                await inner(scope, receive, send)
+            else:
+                await unauthorized(scope, send)
+        return guarded
+    return guard
+
+
+def instance_guard(auth: Any) -> Guard:
+    """A guard that is the engine's own authentication middleware: a shallow copy of the
+    instance in the engine's stack, with Stitch's handler as its inner app (the engine's rules,
+    its 401s)."""
+    def guard(inner: ASGIApp) -> ASGIApp:
+        c = copy.copy(auth)
+        c.app = inner
+        return c
+    return guard
+
+
 class FollowerMiddleware(StitchASGI):
     """The version protocol, plus the engine follower's start (ASGI lifespan) and stop.
 
     Subclasses implement `make_follower(app)`; one follower per process (`current()`). Adds
-    `POST /stitch/verify` (recompute every rank's fingerprints now).
+    `POST /stitch/verify` (recompute every rank's fingerprints now): it takes the engine's API key
+    when one is configured (401 without), runs one at a time (429 while one runs) and at most once
+    every `verify_cooldown` seconds, or the last verify's duration if longer, after the previous
+    one ended (429 with Retry-After).
+
+    At start-up (`configure`) subclasses may replace the routes under version control with those
+    found in the engine's route table (`discover_routes`) and put the engine's authentication in
+    front of admission (`setup_auth`: `set_guard`, `control_check`).
     """
 
     def __init__(self, app: Any, **kw: Any):
         super().__init__(app, _current_gate, **kw)
+        env = os.environ.get("STITCH_VERIFY_COOLDOWN", "").strip()
+        self.verify_cooldown = max(0.0, float(env)) if env else VERIFY_COOLDOWN
+        self.control_check: Check | None = None  # None: /stitch/verify is open
+        self._verifying = False
+        self._verify_after = 0.0  # monotonic time the next verify may start
+        self._verify_took = 0.0
 
     def make_follower(self, app: Any) -> EngineFollower | None:
         raise NotImplementedError
+
+    def discover_routes(self, app: Any) -> list[Route] | None:
+        """The version-controlled routes of the engine's `app` (None: keep those configured)."""
+        return None
+
+    def setup_auth(self, app: Any) -> None:
+        """Set `control_check` and the admission guard from the engine's configured API keys."""
+
+    def below(self, match: Callable[[Any], bool]) -> Any | None:
+        """The first middleware below this one (following `.app`) that `match`es, if any."""
+        node: Any = self.app
+        for _ in range(64):
+            if node is None:
+                return None
+            if match(node):
+                return node
+            node = getattr(node, "app", None)
+        return None
+
+    def configure(self, app: Any) -> None:
+        """Routes and authentication from the engine's app (each failure logged; an unreadable
+        key configuration refuses /stitch/verify)."""
+        try:
+            found = self.discover_routes(app)
+            if found:
+                self.set_routes(found)
+                log.info("stitch: version control on %s", ", ".join(
+                    f"{'/'.join(sorted(r.methods))} {r.path}" for r in self.routes))
+        except Exception:
+            log.exception("stitch: cannot classify the engine's routes; keeping %s",
+                          sorted(self.paths))
+        try:
+            self.setup_auth(app)
+        except Exception:
+            log.exception("stitch: cannot read the engine's API keys; %s is refused",
+                          VERIFY_PATH)
+            self.control_check = lambda scope: False
 
     async def lifespan(self, scope, receive, send) -> None:
         async def recv():
@@ -238,6 +362,7 @@ class FollowerMiddleware(StitchASGI):
 
     async def startup(self, app: Any) -> None:
         global _CURRENT, _REFUSING
+        self.configure(app)
         if _CURRENT is not None:
             return
         try:
@@ -261,12 +386,36 @@ class FollowerMiddleware(StitchASGI):
             _CURRENT = None
 
     async def http(self, scope, receive, send) -> None:
-        if scope.get("path") == "/stitch/verify" and scope.get("method") == "POST":
-            ef = _CURRENT
-            check = await ef.verify() if ef is not None else {"ok": None, "error": "not started"}
-            await send_json(send, 200 if check.get("ok") else 503, check)
+        if scope.get("path") == VERIFY_PATH and scope.get("method") == "POST":
+            await self.verify(scope, send)
             return
         await super().http(scope, receive, send)
+
+    async def verify(self, scope: Scope, send: Any) -> None:
+        """`POST /stitch/verify`: key, one at a time, rate-limited (class doc)."""
+        if self.control_check is not None and not self.control_check(scope):
+            await unauthorized(scope, send)
+            return
+        wait = self._verify_after - time.monotonic()
+        if self._verifying or wait > 0:
+            busy = self._verifying
+            wait = max(self._verify_took, self.verify_cooldown) if busy else wait
+            await send_json(send, 429, protocol.error_body(
+                "stitch_busy" if busy else "stitch_rate_limited",
+                "a verify is running (one at a time)" if busy else
+                f"at most one verify every {self.verify_cooldown:g} s (or its duration)"),
+                [(b"retry-after", str(max(1, math.ceil(wait))).encode())])
+            return
+        self._verifying = True
+        t0 = time.monotonic()
+        try:
+            ef = _CURRENT
+            check = await ef.verify() if ef is not None else {"ok": None, "error": "not started"}
+        finally:
+            self._verifying = False
+            self._verify_took = time.monotonic() - t0
+            self._verify_after = time.monotonic() + max(self.verify_cooldown, self._verify_took)
+        await send_json(send, 200 if check.get("ok") else 503, check)
 
 
 _CURRENT: EngineFollower | None = None

@@ -1,15 +1,20 @@
 """StitchASGI: the Stitch protocol (docs/protocol.md) as a pure ASGI middleware over a VersionGate.
 
 It wraps any OpenAI-compatible ASGI app (vLLM's and SGLang's FastAPI apps) without importing a
-framework. On the configured completion paths (POST) it parses the Stitch request headers, admits
-the request through the gate (HTTP 400 / 409 when it cannot), salts the prefix cache with the
-admitted version, and marks the answer with the versions that produced it: response headers and a
-``"stitch"`` field in the JSON body, or, for SSE streams, one extra chunk right before
-``data: [DONE]``. ``GET /stitch/status`` is answered here. Other paths and scope types pass
-through; override `lifespan` to hook startup/shutdown.
+framework. On the version-controlled routes (`stitch_core.serve.routes.Route`: by default POST on
+`protocol.DEFAULT_PATHS`; engine adapters find theirs in the app's route table at start-up) it
+parses the Stitch request headers, admits the request through the gate (HTTP 400 / 409 when it
+cannot), salts the prefix cache with the admitted version, and marks the answer with the versions
+that produced it: response headers and a ``"stitch"`` field in the JSON body, or, for SSE streams,
+one extra event right before ``data: [DONE]`` (at the end of streams without one), or, for NDJSON
+streams, the field on the ``"done": true`` line; all in the route's dialect (OpenAI, Responses,
+Anthropic). Routes that generate but cannot be stamped (``control="refuse"``, e.g. WebSockets) are
+refused while the engine holds no proven version. ``GET /stitch/status`` is answered here. Other
+paths and scope types pass through; override `lifespan` to hook startup/shutdown, `set_guard` to
+put the engine's own authentication in front of admission.
 
-Slightly over 400 lines: the middleware's request, streaming and stamping paths share one
-state machine per request.
+Over 400 lines: the middleware's request, streaming and stamping paths share one state machine
+per request.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from stitch_core.serve import protocol
 from stitch_core.serve.gate import NotReady, Ticket, VersionGate
+from stitch_core.serve.routes import WEBSOCKET, Dialect, Route, RouteTable
 
 log = logging.getLogger("stitch.asgi")
 
@@ -36,7 +42,8 @@ GateSource = VersionGate | Callable[[], VersionGate | None]
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(r"\r\n|\n|\r")
 _DONE = "[DONE]"
-_COPIED = ("id", "object", "created", "model")
+_COPIED = ("id", "object", "created", "model", "request_id")
+_NDJSON = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 
 
 class StreamStopped(OSError):
@@ -76,10 +83,24 @@ def sse_data(event: bytes) -> str | None:
     return "\n".join(ln[6:] if ln.startswith("data: ") else ln[5:] for ln in lines)
 
 
-def sse_event(obj: Any) -> bytes:
-    """One SSE event (``data: ...`` and a blank line): a string as is, anything else as JSON."""
+def sse_event(obj: Any, event: str | None = None) -> bytes:
+    """One SSE event (``data: ...`` and a blank line, after ``event: <event>`` if given): a string
+    as is, anything else as JSON."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode()
+
+
+def error_body(dialect: Dialect, body: dict) -> dict:
+    """A Stitch error body (``{"error": {...}}``) as the route's dialect sends errors: the
+    Anthropic API adds ``"type": "error"`` at the top."""
+    return {"type": "error", **body} if dialect == "anthropic" else body
+
+
+def route_path(scope: Scope) -> str:
+    """The request path without the app's ``root_path`` (how routes are matched)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def salt_body(body: bytes, run: str, version: int | None) -> bytes | None:
@@ -118,18 +139,31 @@ class StitchASGI:
 
     `gate`: a VersionGate, or a zero-argument callable returning one or None (None: requests pass
     through untouched and the status path answers 503 ``{"state": "not_ready"}``).
-    `paths`: POST paths under version control. `salt`: set ``cache_salt`` in their JSON bodies.
+    `paths`: POST paths under version control (OpenAI dialect, salted); `routes`: more
+    (`Route`s, matched first). `salt`: set ``cache_salt`` in JSON bodies (of routes that take it).
     `status_path`: answered with the gate's status (None: not answered here).
     """
 
     def __init__(self, app: ASGIApp, gate: GateSource, *,
-                 paths: Iterable[str] = protocol.DEFAULT_PATHS, salt: bool = True,
-                 status_path: str | None = protocol.STATUS_PATH):
+                 paths: Iterable[str] = protocol.DEFAULT_PATHS, routes: Iterable[Route] = (),
+                 salt: bool = True, status_path: str | None = protocol.STATUS_PATH):
         self.app = app
         self._gate = gate
-        self.paths = frozenset(paths)
         self.salt = salt
         self.status_path = status_path
+        self.set_routes([*routes, *(Route(p) for p in paths)])
+        self.set_guard(None)
+
+    def set_routes(self, routes: Iterable[Route]) -> None:
+        """Replace the version-controlled routes (an engine adapter, from its app's table)."""
+        self.routes = RouteTable(routes)
+        self.paths = frozenset(r.path for r in self.routes)
+
+    def set_guard(self, guard: Callable[[ASGIApp], ASGIApp] | None) -> None:
+        """Put `guard(inner)` (the engine's own authentication around Stitch's handler) in front
+        of admission on every version-controlled route: a request is admitted only once the
+        engine would let it in. None: no guard."""
+        self._entry: ASGIApp = guard(self._controlled) if guard is not None else self._controlled
 
     def get_gate(self) -> VersionGate | None:
         g = self._gate
@@ -139,6 +173,8 @@ class StitchASGI:
         kind = scope["type"]
         if kind == "http":
             await self.http(scope, receive, send)
+        elif kind == "websocket" and self.routes.find(WEBSOCKET, route_path(scope)) is not None:
+            await self._entry(scope, receive, send)
         elif kind == "lifespan":
             await self.lifespan(scope, receive, send)
         else:
@@ -149,15 +185,53 @@ class StitchASGI:
         await self.app(scope, receive, send)
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path, method = scope.get("path", ""), scope.get("method", "GET")
+        path, method = route_path(scope), scope.get("method", "GET")
         if self.status_path is not None and path == self.status_path and method == "GET":
             await self.status(scope, receive, send)
             return
-        gate = self.get_gate() if method == "POST" and path in self.paths else None
-        if gate is None:
+        if self.routes.find(method, path) is None or self.get_gate() is None:
             await self.app(scope, receive, send)
             return
-        await self.serve(gate, scope, receive, send)
+        await self._entry(scope, receive, send)
+
+    async def _controlled(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request on a version-controlled route (past the guard, if any)."""
+        ws = scope["type"] == "websocket"
+        route = self.routes.find(WEBSOCKET if ws else scope.get("method", "GET"),
+                                 route_path(scope))
+        gate = self.get_gate()
+        if route is None or gate is None:
+            await self.app(scope, receive, send)
+        elif route.control == "refuse":
+            await self.refuse_unready(gate, route, scope, receive, send)
+        else:
+            await self.serve(gate, scope, receive, send, route)
+
+    async def refuse_unready(self, gate: VersionGate, route: Route, scope: Scope,
+                             receive: Receive, send: Send) -> None:
+        """A route that generates but cannot be stamped: 409 while the engine holds no proven
+        version (a WebSocket: the handshake is refused), 400 for version headers (they cannot be
+        honoured there), otherwise passed through untouched."""
+        run_header = protocol.response_headers(gate.run, None, None)
+        status, body, extra = 0, {}, []
+        try:
+            req = protocol.parse_request(scope.get("headers", []), gate.max_wait)
+            if req.exact is not None or req.minimum is not None:
+                raise protocol.BadRequest(
+                    f"{route.path} generates but its answers cannot be stamped: it takes no "
+                    f"{protocol.VERSION_HEADER} / {protocol.MIN_VERSION_HEADER}")
+            gate.release(await gate.admit())  # refused while no version is proven
+        except protocol.BadRequest as e:
+            status, body = 400, protocol.bad_request_body(str(e))
+        except NotReady as e:
+            status, body = 409, e.body
+            extra = [(b"retry-after", str(e.retry_after).encode())]
+        if not status:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await _refuse_websocket(scope, send, status, body, [*extra, *run_header])
+        else:
+            await send_json(send, status, error_body(route.dialect, body), [*extra, *run_header])
 
     async def status(self, scope: Scope, receive: Receive, send: Send) -> None:
         gate = self.get_gate()
@@ -166,26 +240,39 @@ class StitchASGI:
                           "state": "not_ready", "mode": None}
         else:
             body = gate.status()
+        body["routes"] = [r.describe() for r in self.routes]
         await send_json(send, 503 if body.get("state") == "not_ready" else 200, body)
 
-    async def serve(self, gate: VersionGate, scope: Scope, receive: Receive, send: Send) -> None:
-        """One request on a version-controlled path."""
+    async def serve(self, gate: VersionGate, scope: Scope, receive: Receive, send: Send,
+                    route: Route | None = None) -> None:
+        """One request on a version-controlled route (default: OpenAI dialect, salted)."""
+        route = route or Route(route_path(scope), frozenset({scope.get("method", "POST")}))
         run_header = protocol.response_headers(gate.run, None, None)
         try:
             req = protocol.parse_request(scope.get("headers", []), gate.max_wait)
         except protocol.BadRequest as e:
-            await send_json(send, 400, protocol.bad_request_body(str(e)), run_header)
+            await send_json(send, 400, error_body(route.dialect, protocol.bad_request_body(
+                str(e))), run_header)
             return
         try:
             ticket = await gate.admit(req.exact, req.minimum, req.wait)
         except NotReady as e:
-            await send_json(send, 409, e.body, [
+            await send_json(send, 409, error_body(route.dialect, e.body), [
                 (b"retry-after", str(e.retry_after).encode()), *run_header])
             return
-        exchange = _Exchange(gate, ticket, send, _spec_version(scope))
+        exchange = _Exchange(gate, ticket, send, _spec_version(scope), route.dialect)
         try:
-            if self.salt:
-                scope, receive = await self._salted(scope, receive, gate.run, ticket.start)
+            if (self.salt and route.salt) or route.dialect == "responses":
+                salt = self.salt and route.salt
+                scope, receive, body = await self._salted(scope, receive, gate.run,
+                                                          ticket.start, salt)
+                if route.dialect == "responses" and _background(body):
+                    # it would generate after this answer, unstamped: refused
+                    await send_json(send, 400, protocol.bad_request_body(
+                        "background responses cannot be version-controlled (their tokens are "
+                        "generated after the answer that would name their versions)"),
+                        run_header)
+                    return
             if ticket.exact is not None:  # may be cut: the app must be able to see a disconnect
                 receive = exchange.receive_from(receive)
             try:
@@ -197,21 +284,22 @@ class StitchASGI:
         finally:
             gate.release(ticket)
 
-    async def _salted(self, scope: Scope, receive: Receive, run: str,
-                      version: int | None) -> tuple[Scope, Receive]:
-        """Read the request body and replay it with ``cache_salt`` set (when a JSON object)."""
+    async def _salted(self, scope: Scope, receive: Receive, run: str, version: int | None,
+                      salt: bool = True) -> tuple[Scope, Receive, bytes]:
+        """Read the request body and replay it, with ``cache_salt`` set when `salt` and it is a
+        JSON object; also returns the body as the client sent it."""
         chunks = []
         while True:
             msg = await receive()
             if msg["type"] != "http.request":  # disconnected while sending its body
                 async def gone(msg: Message = msg) -> Message:
                     return msg
-                return scope, gone
+                return scope, gone, b""
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        salted = salt_body(body, run, version)
+        body = sent = b"".join(chunks)
+        salted = salt_body(body, run, version) if salt else None
         if salted is not None:
             body = salted
             headers = _without(scope.get("headers", []), b"content-length", b"transfer-encoding")
@@ -225,7 +313,31 @@ class StitchASGI:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        return scope, replay
+        return scope, replay, sent
+
+
+def _background(body: bytes) -> bool:
+    """Whether a Responses API request asks to run in the background."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(obj, dict) and obj.get("background") is True
+
+
+async def _refuse_websocket(scope: Scope, send: Send, status: int, body: dict,
+                            headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a WebSocket handshake: an HTTP answer where the server can send one (the
+    ``websocket.http.response`` extension), else a close (code 1013, try again later)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        data = json.dumps(body).encode()
+        await send({"type": "websocket.http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            *headers]})
+        await send({"type": "websocket.http.response.body", "body": data, "more_body": False})
+    else:
+        await send({"type": "websocket.close", "code": 1013 if status == 409 else 1008,
+                    "reason": body["error"]["message"][:120]})
 
 
 class _Exchange:
@@ -238,17 +350,19 @@ class _Exchange:
     """
 
     def __init__(self, gate: VersionGate, ticket: Ticket, send: Send,
-                 spec_version: tuple[int, ...] = (2, 0)):
+                 spec_version: tuple[int, ...] = (2, 0), dialect: Dialect = "openai"):
         self.gate, self.ticket, self._send = gate, ticket, send
+        self.dialect = dialect
         self._raise_on_send = spec_version >= (2, 4)
         self._stop = asyncio.Event()
-        self.mode: str | None = None  # "stream" or "buffer" once the response started
+        self.mode: str | None = None  # "stream", "lines" (NDJSON) or "buffer" once started
         self.stopped = False  # the middleware ended the response
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
         self._pending = b""
         self._last: dict | None = None  # last JSON chunk of a stream
+        self._seq: int | None = None  # last sequence_number of a Responses stream
         self._marked = False  # the stream's "stitch" chunk went out
 
     @property
@@ -292,6 +406,8 @@ class _Exchange:
             await self._start(message)
         elif kind == "http.response.body" and self.mode == "stream":
             await self._stream_body(message)
+        elif kind == "http.response.body" and self.mode == "lines":
+            await self._lines_body(message)
         elif kind == "http.response.body" and self.mode == "buffer":
             await self._buffer_body(message)
         else:
@@ -300,8 +416,9 @@ class _Exchange:
     async def _start(self, message: Message) -> None:
         self.status = int(message["status"])
         self.headers = list(message.get("headers", []))
-        if self.status == 200 and _media_type(self.headers) == "text/event-stream":
-            self.mode = "stream"
+        media = _media_type(self.headers)
+        if self.status == 200 and (media == "text/event-stream" or media in _NDJSON):
+            self.mode = "stream" if media == "text/event-stream" else "lines"
             if self._pinned_violated():  # moved before the first byte: a plain 409
                 await self._refuse_changed()
                 return
@@ -316,7 +433,7 @@ class _Exchange:
         start, end = self.gate.release(self.ticket)
         e = self.gate.version_changed(self.ticket)
         self._stopping()
-        await send_json(self._send, 409, e.body, [
+        await send_json(self._send, 409, error_body(self.dialect, e.body), [
             (b"retry-after", str(e.retry_after).encode()),
             *protocol.response_headers(self.run, start, end)])
 
@@ -387,6 +504,8 @@ class _Exchange:
                 obj = None
             if isinstance(obj, dict):
                 self._last = obj
+                if isinstance(obj.get("sequence_number"), int):
+                    self._seq = obj["sequence_number"]
         out.append(event)
         return True
 
@@ -396,20 +515,88 @@ class _Exchange:
         if self._pinned_violated():
             await self._cut()  # drops this message's events too: they may be the new version's
             return False
-        chunk = {k: self._last[k] for k in _COPIED if self._last and k in self._last}
-        chunk["choices"] = []
-        chunk[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end)
-        out.append(sse_event(chunk))
+        field = protocol.stitch_field(self.run, start, end)
+        if self.dialect == "responses":  # a typed event after the others
+            ev: dict[str, Any] = {"type": "response.stitch"}
+            if self._seq is not None:
+                ev["sequence_number"] = self._seq + 1
+            out.append(sse_event({**ev, protocol.RESPONSE_FIELD: field}, "response.stitch"))
+        elif self.dialect == "anthropic":  # a named event (clients skip unknown ones)
+            out.append(sse_event({"type": "stitch", protocol.RESPONSE_FIELD: field}, "stitch"))
+        else:
+            chunk = {k: self._last[k] for k in _COPIED if self._last and k in self._last}
+            chunk["choices"] = []
+            chunk[protocol.RESPONSE_FIELD] = field
+            out.append(sse_event(chunk))
         self._marked = True
         return True
 
+    def _cut_events(self, body: dict) -> bytes:
+        """The stream's version_changed error, in its dialect."""
+        if self.mode == "lines":
+            return json.dumps(body).encode() + b"\n"
+        if self.dialect == "responses":
+            err = body["error"]
+            ev = {"type": "error", "code": err["type"], "message": err["message"], "param": None,
+                  **({"sequence_number": self._seq + 1} if self._seq is not None else {}),
+                  "error": err}
+            return sse_event(ev, "error")
+        if self.dialect == "anthropic":
+            return sse_event(error_body("anthropic", body), "error")
+        return sse_event(body) + sse_event(_DONE)
+
     async def _cut(self) -> None:
-        """End the stream with the version_changed error event and [DONE]; the app's further
-        sends raise StreamStopped."""
+        """End the stream with the version_changed error (then [DONE] where the dialect has it);
+        the app's further sends raise StreamStopped."""
         self.gate.release(self.ticket)
         e = self.gate.version_changed(self.ticket)
         self._stopping()
-        body = sse_event(e.body) + sse_event(_DONE)
+        body = self._cut_events(e.body)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
         if self._raise_on_send:
             raise StreamStopped("exact-pinned version changed mid-stream")
+
+    async def _lines_body(self, message: Message) -> None:
+        """An NDJSON stream: lines pass as they come; the ``"done": true`` line gets the
+        "stitch" field (a stream without one ends with a ``{"stitch": ...}`` line)."""
+        more = message.get("more_body", False)
+        if self._pinned_violated():
+            await self._cut()
+            return
+        self._pending += message.get("body", b"")
+        *lines, self._pending = self._pending.split(b"\n")
+        if not more and self._pending.strip():
+            lines.append(self._pending)
+        if not more:
+            self._pending = b""
+        out: list[bytes] = []
+        for line in lines:
+            obj = _json_line(line) if not self._marked else None
+            if obj is not None and obj.get("done") is True:
+                start, end = self.gate.release(self.ticket)
+                if self._pinned_violated():
+                    await self._cut()
+                    return
+                obj[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end)
+                line = json.dumps(obj, ensure_ascii=False).encode()
+                self._marked = True
+            out.append(line + b"\n")
+        if not more and not self._marked:
+            start, end = self.gate.release(self.ticket)
+            if self._pinned_violated():
+                await self._cut()
+                return
+            out.append(json.dumps({protocol.RESPONSE_FIELD: protocol.stitch_field(
+                self.run, start, end)}).encode() + b"\n")
+            self._marked = True
+        if out or not more:
+            await self._send({"type": "http.response.body", "body": b"".join(out),
+                              "more_body": more})
+
+
+def _json_line(line: bytes) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None

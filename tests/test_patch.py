@@ -679,3 +679,28 @@ def test_multi_part_patch_from_sharded_producers(world):
             apply(base, parts[:-1])
         with pytest.raises(PatchError):
             apply(base, [parts[0], parts[0], *parts[2:]])
+
+
+def test_reader_hashes_the_bytes_it_reads_through_one_descriptor(tmp_path):
+    """`PatchReader(path, sha256=...)`: the manifest's SHA-256 is checked on the descriptor every
+    later read uses, so replacing the file at the path after it was opened changes nothing read,
+    and a file that is not the listed one is refused."""
+    from stitch_core.format.stp import PatchReader
+
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(64, 64, generator=g).bfloat16()}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1)[::7] += 1
+    p = tmp_path / "a.stp"
+    diff(base, new).write(p)
+    orig = p.read_bytes()
+    sha = hashlib.sha256(orig).hexdigest()
+    with PatchReader(p, sha256=sha) as r:
+        other = tmp_path / "b.stp"
+        diff(base, {"w": -base["w"]}).write(other)
+        other.replace(p)  # swapped at the path after verification
+        for c in r.entry("w").chunks:
+            pos, val = r.read_chunk(c)
+            assert bytes(pos) + bytes(val) == orig[c.offset:c.offset + c.nbytes]
+    with pytest.raises(PatchError, match="not the ones the manifest lists"):
+        PatchReader(p, sha256=sha)

@@ -302,7 +302,9 @@ class Coordinator:
     async def apply_patch(self, m: Manifest, paths: list[Path]) -> dict[str, Any]:
         async with self._lock:
             t_all = time.perf_counter()
-            readers = [PatchReader(p) for p in paths]
+            refs = m.patches if len(m.patches) == len(paths) else [None] * len(paths)
+            readers = [PatchReader(p, sha256=r.sha256 if r else None)
+                       for p, r in zip(paths, refs, strict=True)]
             try:
                 patch = (readers[0] if len(readers) == 1 and readers[0].header.part is None
                          else PatchSet(readers))

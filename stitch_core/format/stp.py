@@ -75,9 +75,15 @@ def _err(msg: str) -> PatchError:
 
 
 class PatchReader:
-    """Opens a patch (path, bytes or binary file), verifies it whole, then serves its chunks."""
+    """Opens a patch (path, bytes or binary file), verifies it whole, then serves its chunks.
 
-    def __init__(self, src: str | os.PathLike | bytes | bytearray | memoryview | BinaryIO):
+    `sha256`: the SHA-256 the file must have (a manifest's object hash). It is computed in the
+    same pass, through the same descriptor, as the checksum, and every later read uses that
+    descriptor: the bytes hashed are the bytes applied, whatever happens to the path."""
+
+    def __init__(self, src: str | os.PathLike | bytes | bytearray | memoryview | BinaryIO,
+                 sha256: str | None = None):
+        self._want_sha256 = sha256
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._f: BinaryIO = io.BytesIO(bytes(src))
             self._own = True
@@ -118,6 +124,7 @@ class PatchReader:
         if hlen > MAX_HEADER_BYTES or hoff < PREAMBLE.size or hoff + hlen != size - FOOTER.size:
             raise _err("patch header location is inconsistent (corrupt or truncated)")
         h = hashlib.blake2b(digest_size=32)
+        whole = hashlib.sha256() if self._want_sha256 is not None else None
         f.seek(0)
         left = size - 40
         while left:
@@ -125,7 +132,15 @@ class PatchReader:
             if not b:
                 raise _err("patch shrank while reading")
             h.update(b)
+            if whole is not None:
+                whole.update(b)
             left -= len(b)
+        if whole is not None:
+            whole.update(f.read(40))
+            if whole.hexdigest() != self._want_sha256:
+                raise _err(f"patch bytes are not the ones the manifest lists (sha256 "
+                           f"{whole.hexdigest()[:12]}…, want {self._want_sha256[:12]}…): "
+                           "changed on disk after download?")
         if h.digest() != digest:
             raise _err("patch checksum mismatch (corrupted in transit or on disk)")
         f.seek(hoff)

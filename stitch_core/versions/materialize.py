@@ -142,8 +142,9 @@ def replace(tmp: Path, out: Path, force: bool) -> None:
     os.replace(tmp, out)
 
 
-def _open_patch(parts: list[Path]) -> PatchReader | PatchSet:
-    readers = [PatchReader(p) for p in parts]
+def _open_patch(parts: list[Path], m: Manifest) -> PatchReader | PatchSet:
+    # each part hashed through the descriptor it is then read from (the bytes used)
+    readers = [PatchReader(p, sha256=r.sha256) for p, r in zip(parts, m.patches, strict=True)]
     if len(readers) == 1 and readers[0].header.part is None:
         return readers[0]
     return PatchSet(readers)
@@ -197,7 +198,7 @@ async def pull(
     if not base.is_dir:
         raise VersionError("snapshot is not a directory")
     tmp = tmp_sibling(out)
-    readers = [_open_patch(p) for p in paths]
+    readers = [_open_patch(p, s.manifest) for p, s in zip(paths, patches, strict=True)]
     try:
         tmp.mkdir(parents=True)
         if not readers:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 ENV_BINARY = "STITCH_NATS_SERVER"
 _LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
+_TLS_REQUIRED = "TLS required for client connections"
 _RUNNING: weakref.WeakSet[NatsServer] = weakref.WeakSet()
 
 
@@ -74,12 +75,16 @@ class NatsServer:
     """A `nats-server -js` child process; use as a context manager or call start()/stop().
 
     `port` 0 or None lets the server pick a free port (read back from its log, so no race).
-    The server's output goes to `<store_dir>/nats-server.log`.
+    `config` names a nats-server configuration file (accounts, users, TLS; see
+    docs/nats-security.md); the store directory, host and port given here override it. A
+    server whose config requires TLS is reached at a `tls://` URL. The server's output goes to
+    `<store_dir>/nats-server.log`.
     """
 
     def __init__(self, store_dir: str | os.PathLike | None = None, port: int | None = None,
                  host: str = "127.0.0.1", binary: str | None = None,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None,
+                 config: str | os.PathLike | None = None):
         self._tmp: tempfile.TemporaryDirectory | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="stitch-nats-")
@@ -90,6 +95,8 @@ class NatsServer:
         self.port: int | None = None
         self.binary = binary
         self.extra_args = list(extra_args or [])
+        self.config = Path(config).expanduser().resolve() if config is not None else None
+        self.tls = False  # read back from the log: the config requires TLS of clients
         self.log_path = self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -98,7 +105,7 @@ class NatsServer:
         if self.port is None:
             raise NatsServerError("nats-server is not running")
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"nats://{host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -119,7 +126,10 @@ class NatsServer:
             return self
         binary = self.binary or find_nats_server()
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [binary, "-js", "-sd", str(self.store_dir), "-a", self.host,
+        if self.config is not None and not self.config.is_file():
+            raise NatsServerError(f"nats-server config {self.config} does not exist")
+        cmd = [binary, *(["-c", str(self.config)] if self.config is not None else []),
+               "-js", "-sd", str(self.store_dir), "-a", self.host,
                "-p", str(self.requested_port or -1), *self.extra_args]
         log.info("starting %s", " ".join(cmd))
         with open(self.log_path, "wb") as out:
@@ -147,6 +157,7 @@ class NatsServer:
             if m:
                 port = int(m.group(2))
             if port and _READY in text and _accepts(self.host, port):
+                self.tls = _TLS_REQUIRED in text
                 return port
             time.sleep(0.02)
         raise NatsServerError(f"nats-server did not become ready within {timeout:.0f} s; "

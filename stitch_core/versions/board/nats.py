@@ -2,7 +2,9 @@
 
 URL: `nats://host:port/<bucket>` (or `tls://`; bucket defaults to "stitch"). Objects live in the
 JetStream object store `<bucket>` under their board key; each run's `latest` is the key `<run>` of
-the KV bucket `<bucket>_latest`. Both buckets are created on first use.
+the KV bucket `<bucket>_latest`. Both buckets are created by the first write; reads only look them
+up, so a reader needs no JetStream admin rights (docs/nats-security.md lists the subjects), and a
+write the server's permissions refuse fails with the server's reason, not a bare timeout.
 
 Objects are stored in the standard object store layout (chunks on `$O.<bucket>.C.<nuid>`, metadata
 on `$O.<bucket>.M.<name>`), so `nats object get` and other clients can read them; but writes are
@@ -25,6 +27,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -39,7 +42,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from stitch_core.versions.announce import connect
+from stitch_core.versions.announce import NatsConfigError, connect, denied_since
 from stitch_core.versions.board.base import (
     Board,
     BoardError,
@@ -129,7 +132,8 @@ class NatsBoard(Board):
 
     def __init__(self, url: str, *, timeout: float = 10.0, stall_timeout: float = 60.0):
         self.server_url, self.bucket = split_url(url)
-        self.url = f"{self.server_url}/{self.bucket}"
+        u = urllib.parse.urlsplit(self.server_url)  # the public name: no user:password@
+        self.url = f"{u.scheme}://{u.netloc.rpartition('@')[2]}/{self.bucket}"
         self.timeout = timeout
         self.stall_timeout = stall_timeout
         self._nc: NATS | None = None
@@ -146,16 +150,27 @@ class NatsBoard(Board):
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
+        t0 = time.monotonic()
         try:
             yield
-        except BoardError:
+        except (LatestConflict, NotFound):
             raise
-        except (TimeoutError, nats.errors.TimeoutError) as e:
-            raise BoardError(f"NATS board {self.url}: {what} timed out after {self.timeout:g} s "
-                             "(is the server up?)") from e
-        except (nats.errors.Error, OSError) as e:
-            raise BoardError(f"NATS board {self.url}: {what} failed: "
-                             f"{e or type(e).__name__}") from e
+        except Exception as e:
+            # the server drops a request its permissions refuse (no reply: a timeout, or no
+            # ack) and says why on the connection: report that
+            if (why := denied_since(self._nc, t0)) is not None:
+                raise BoardError(f"NATS board {self.url}: {what} refused by the server: {why} "
+                                 "(this NATS user lacks the right; see "
+                                 "docs/nats-security.md)") from e
+            if isinstance(e, BoardError):
+                raise
+            if isinstance(e, TimeoutError | nats.errors.TimeoutError):
+                raise BoardError(f"NATS board {self.url}: {what} timed out after "
+                                 f"{self.timeout:g} s (is the server up?)") from e
+            if isinstance(e, nats.errors.Error | OSError):
+                raise BoardError(f"NATS board {self.url}: {what} failed: "
+                                 f"{e or type(e).__name__}") from e
+            raise
 
     async def connection(self) -> NATS:
         """The board's NATS connection (e.g. to publish announcements on the same one)."""
@@ -177,24 +192,34 @@ class NatsBoard(Board):
                     try:
                         nc = await connect(self.server_url, name="stitch-board",
                                            connect_timeout=self.timeout)
-                    except ConnectionError as e:
+                    except (ConnectionError, NatsConfigError) as e:
                         raise BoardError(f"NATS board {self.url}: {e}") from e
-                    try:
-                        js = nc.jetstream(timeout=self.timeout)
-                        self._obj = await self._object_store(js)
-                        self._kv = await self._key_value(js)
-                    except BaseException:
-                        await nc.close()
-                        raise
-                    self._nc, self._js = nc, js
+                    self._nc, self._js = nc, nc.jetstream(timeout=self.timeout)
         assert self._js is not None
         return self._js
 
-    async def _object_store(self, js: JetStreamContext) -> ObjectStore:
-        try:
-            return await js.object_store(self.bucket)
-        except nats.js.errors.BucketNotFoundError:
-            pass
+    async def _objects(self, create: bool = False) -> ObjectStore | None:
+        """The object store bucket: looked up (None if it does not exist yet), or, for a
+        write, created if missing. Reads never create, so they need no admin rights."""
+        js = await self._ready()
+        if self._obj is None:
+            with contextlib.suppress(nats.js.errors.BucketNotFoundError):
+                self._obj = await js.object_store(self.bucket)
+            if self._obj is None and create:
+                self._obj = await self._create_object_store(js)
+        return self._obj
+
+    async def _latest_kv(self, create: bool = False) -> KeyValue | None:
+        """The KV bucket of `latest`, like `_objects`."""
+        js = await self._ready()
+        if self._kv is None:
+            with contextlib.suppress(nats.js.errors.BucketNotFoundError):
+                self._kv = await js.key_value(f"{self.bucket}_latest")
+            if self._kv is None and create:
+                self._kv = await self._create_key_value(js)
+        return self._kv
+
+    async def _create_object_store(self, js: JetStreamContext) -> ObjectStore:
         try:
             log.info("creating object store bucket %s on %s", self.bucket, self.server_url)
             return await js.create_object_store(
@@ -205,12 +230,8 @@ class NatsBoard(Board):
                 raise
             return await js.object_store(self.bucket)
 
-    async def _key_value(self, js: JetStreamContext) -> KeyValue:
+    async def _create_key_value(self, js: JetStreamContext) -> KeyValue:
         name = f"{self.bucket}_latest"
-        try:
-            return await js.key_value(name)
-        except nats.js.errors.BucketNotFoundError:
-            pass
         try:
             log.info("creating KV bucket %s on %s", name, self.server_url)
             return await js.create_key_value(
@@ -241,10 +262,11 @@ class NatsBoard(Board):
         return f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
 
     async def _info(self, key: str) -> api.ObjectInfo | None:
-        await self._ready()
-        assert self._obj is not None
+        obj = await self._objects()
+        if obj is None:  # no bucket yet: nothing written
+            return None
         try:
-            return await self._obj.get_info(key)
+            return await obj.get_info(key)
         except nats.js.errors.NotFoundError:
             return None
 
@@ -338,6 +360,7 @@ class NatsBoard(Board):
 
     async def _upload(self, key: str, src: bytes | Path) -> bool:
         """Write a new object; False (and nothing written) if `key` appeared meanwhile."""
+        await self._objects(create=True)
         js = await self._ready()
         nc = self._nc
         assert nc is not None
@@ -406,7 +429,10 @@ class NatsBoard(Board):
         pat = re.compile(rf"^{re.escape(run)}/versions/(\d+)/{re.escape(MANIFEST)}$")
         with self._errors(f"list versions of {run}"):
             js = await self._ready()
-            si = await js.stream_info(self._stream, subjects_filter=f"$O.{self.bucket}.M.>")
+            try:
+                si = await js.stream_info(self._stream, subjects_filter=f"$O.{self.bucket}.M.>")
+            except nats.js.errors.NotFoundError:  # no bucket yet
+                return []
         found = set()
         for subject in si.state.subjects or {}:
             token = subject.rsplit(".", 1)[-1]
@@ -421,10 +447,11 @@ class NatsBoard(Board):
     # -- latest ----------------------------------------------------------------------------------
 
     async def _latest_entry(self, run: str) -> tuple[Latest | None, int]:
-        await self._ready()
-        assert self._kv is not None
+        kv = await self._latest_kv()
+        if kv is None:  # no bucket yet: no run has a latest
+            return None, 0
         try:
-            entry = await self._kv.get(check_run(run))
+            entry = await kv.get(check_run(run))
         except nats.js.errors.KeyNotFoundError:
             return None, 0
         try:
@@ -445,13 +472,14 @@ class NatsBoard(Board):
             if cur_v is not None and new.version <= cur_v:
                 raise LatestConflict(f"latest of {run} would move back from {cur_v} to "
                                      f"{new.version}")
-            assert self._kv is not None
+            kv = await self._latest_kv(create=True)
+            assert kv is not None
             data = new.model_dump_json().encode()
             try:
                 if revision:
-                    await self._kv.update(run, data, last=revision)
+                    await kv.update(run, data, last=revision)
                 else:
-                    await self._kv.create(run, data)
+                    await kv.create(run, data)
             except nats.js.errors.KeyWrongLastSequenceError as e:
                 raise LatestConflict(f"latest of {run} moved concurrently (expected "
                                      f"{expected})") from e

@@ -7,16 +7,78 @@ every TP rank through vLLM's `collective_rpc`; engine steps are held during writ
 salted per version by the middleware). The version protocol, `/stitch/status`, `/stitch/verify`
 and the Prometheus metrics come from `stitch_core` (engine-agnostic). Configuration: the
 environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, STITCH_NATS_URL, ...).
+
+Which routes are version-controlled is read from vLLM's own route table at start-up
+(`classify`, the rule of `stitch_core.serve.routes`): every POST/PUT route except those whose
+endpoint lives in vLLM's server-administration, RL-control, model-list or render/derender modules
+(`CONTROL_MODULES`) or is a tokenizer / count / abort / cancel endpoint; WebSocket routes (the
+realtime API) are refused while no version is proven. `FALLBACK` is version-controlled whatever
+the table says.
+
+`--middleware` puts Stitch outside vLLM's own middleware, so in front of its `--api-key` check:
+Stitch finds vLLM's `AuthenticationMiddleware` instance below itself and runs a copy of it in
+front of admission (vLLM's own rule and 401), and checks `/stitch/verify` with its
+`verify_token`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from stitch_core.engine import rpc
-from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
+from stitch_core.node import (
+    EngineFollower,
+    FollowerMiddleware,
+    Settings,
+    bearer_check,
+    check_guard,
+    current,
+    instance_guard,
+)
+from stitch_core.serve import protocol, routes
+from stitch_core.serve.routes import WEBSOCKET, Route, RouteInfo
 
-__all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current"]
+__all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current", "classify", "FALLBACK"]
+
+log = logging.getLogger("stitch.vllm")
+
+# endpoints in these modules run no model on a prompt: the server's administration and dev routes
+# (tokenizer, health, caches, sleep, LoRA, elastic EP, SageMaker ping, ...), RL control (pause,
+# weight transfer), the model list, and prompt rendering for disaggregated serving
+CONTROL_MODULES = ("vllm.entrypoints.serve.", "vllm.entrypoints.rl.",
+                   "vllm.entrypoints.openai.models.", "vllm.entrypoints.scale_out.render.",
+                   "vllm.entrypoints.scale_out.derender.")
+
+# version-controlled whatever the route table says (the generating routes of vLLM 0.32)
+FALLBACK: tuple[Route, ...] = (
+    *(Route(p) for p in protocol.DEFAULT_PATHS),
+    Route("/v1/responses", dialect="responses"),
+    Route("/v1/messages", dialect="anthropic"),
+    Route("/v1/chat/completions/batch"),
+    Route("/inference/v1/generate"),
+    Route("/generative_scoring"),
+    Route("/invocations", salt=False),
+    Route("/v1/realtime", frozenset({WEBSOCKET}), salt=False, control="refuse"),
+)
+
+
+def _control_endpoint(info: RouteInfo) -> bool:
+    return info.module.startswith(CONTROL_MODULES)
+
+
+def classify(info: RouteInfo) -> Route | None:
+    """A route of vLLM's app: version-controlled (a `Route`) or not (None)."""
+    return routes.generating(info, _control_endpoint)
+
+
+def api_keys(app: Any) -> list[str]:
+    """The API keys vLLM is configured with (``--api-key`` first, else ``VLLM_API_KEY``)."""
+    keys = getattr(getattr(getattr(app, "state", None), "args", None), "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
 
 
 class VllmFollower(EngineFollower):
@@ -45,6 +107,29 @@ class VllmFollower(EngineFollower):
 
 class StitchMiddleware(FollowerMiddleware):
     """vLLM `--middleware`: the version protocol, plus the follower's start and stop."""
+
+    def __init__(self, app: Any, **kw: Any):
+        kw.setdefault("routes", FALLBACK)
+        super().__init__(app, **kw)
+
+    def discover_routes(self, app: Any) -> list[Route] | None:
+        return routes.discover(app, classify, FALLBACK)
+
+    def setup_auth(self, app: Any) -> None:
+        auth = self.below(lambda m: type(m).__name__ == "AuthenticationMiddleware"
+                          and callable(getattr(m, "verify_token", None)))
+        if auth is not None:
+            from starlette.datastructures import Headers
+
+            self.set_guard(instance_guard(auth))
+            self.control_check = lambda scope: bool(auth.verify_token(Headers(scope=scope)))
+            return
+        check = bearer_check(api_keys(app))
+        if check is not None:  # keys configured, vLLM's key check not where it used to be
+            log.warning("stitch: vLLM has an API key but its AuthenticationMiddleware is not "
+                        "below Stitch's; Stitch checks the key itself on every route it controls")
+            self.set_guard(check_guard(check))
+        self.control_check = check
 
     def make_follower(self, app: Any) -> VllmFollower | None:
         engine = getattr(getattr(app, "state", None), "engine_client", None)

@@ -234,3 +234,35 @@ def wait_rejected(status, timeout: float = 60.0) -> dict:
         time.sleep(0.2)
         st = status()
     return st
+
+
+def sse_events(text: str) -> list[tuple[str | None, object]]:
+    """(event name or None, data: parsed JSON or '[DONE]') of each event of an SSE body."""
+    import json
+
+    out: list[tuple[str | None, object]] = []
+    for ev in text.replace("\r\n", "\n").split("\n\n"):
+        lines = ev.splitlines()
+        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
+        data = "\n".join(ln[6:] if ln.startswith("data: ") else ln[5:]
+                         for ln in lines if ln.startswith("data:"))
+        if data:
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def wait_started(server: ServerProcess, timeout: float = 400) -> dict:
+    """Poll /stitch/status until the engine's start-up check ran (whether or not it serves)."""
+    deadline = time.monotonic() + timeout
+    last: dict | str = "no answer"
+    while time.monotonic() < deadline:
+        server._alive()
+        try:
+            last = server.http.get("/stitch/status", timeout=5).json()
+            if "fingerprint_check" in last or "error" in last:
+                return last
+        except (httpx.HTTPError, ValueError) as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise TimeoutError(f"{server.name}: no start-up check after {timeout}s: {last}\n"
+                       f"{server.tail()}")

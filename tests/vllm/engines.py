@@ -33,10 +33,15 @@ class Server(ServerProcess):
     name = "vLLM server"
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
+                 extra: list[str] | tuple[str, ...] = (), api_key: str | None = None,
                  **stitch: str):
         port = free_port()
-        cmd = vllm_cmd(sys.executable, str(model_dir), port, tp, max_model_len)
+        cmd = vllm_cmd(sys.executable, str(model_dir), port, tp, max_model_len) + list(extra)
+        if api_key:
+            cmd += ["--api-key", api_key]
         super().__init__(cmd, engine_env(tp, **stitch), port, str(model_dir), log)
+        if api_key:  # every helper request carries it
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
 
     def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,

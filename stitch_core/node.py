@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ByteSize
 
 from stitch_core.engine import rpc
 from stitch_core.serve import protocol
@@ -53,6 +53,7 @@ class Settings(BaseModel):
     run: str | None = None  # default: the run of the snapshot's manifest
     nats_url: str | None = None  # announcements (optional: the board is polled anyway)
     cache_dir: str | None = None  # default: the per-user cache (versions.materialize)
+    cache_max_bytes: ByteSize = ByteSize(20 << 30)  # e.g. "8GiB"; = cache.DEFAULT_MAX_BYTES
     apply_mode: Literal["immediate", "drain"] = "immediate"
     drain_timeout: float = 30.0
     max_wait: float = 600.0
@@ -62,6 +63,8 @@ class Settings(BaseModel):
     loader_fallback: bool = False  # tensors the map cannot place: load unverified (else refuse)
     rpc_timeout: float = 300.0  # seconds a rank RPC of an apply may take (then undone / refused)
     load_timeout: float = 3600.0  # the same for start-up layout learning and snapshot loads
+    # bytes of patch an apply decodes at a time in the API server (larger patches: in batches)
+    apply_memory: int = 64 << 20
     engine_id: str | None = None
     engine_url: str | None = None  # advertised in heartbeats
     region: str | None = None
@@ -149,7 +152,7 @@ class EngineFollower:
                 pause=self.pause if s.pause_steps else None,
                 resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
                 loader_fallback=s.loader_fallback, rpc_timeout=s.rpc_timeout,
-                load_timeout=s.load_timeout)
+                load_timeout=s.load_timeout, apply_memory=s.apply_memory)
             version = await self.coord.start(self.model_dir, trust=trust or None)
         except Exception as e:
             self.error = f"start-up check failed: {e}"
@@ -166,7 +169,8 @@ class EngineFollower:
         try:
             self.follower = Follower(
                 s.board, run, self.coord, version=version, nats=s.nats_url,
-                cache_dir=s.cache_dir, reconcile_interval=s.reconcile_interval,
+                cache_dir=s.cache_dir, cache_max_bytes=s.cache_max_bytes,
+                reconcile_interval=s.reconcile_interval,
                 engine_id=s.engine_id, url=s.engine_url, region=s.region,
                 on_latest=self.gate.set_latest, held=lambda: self.coord.version,
                 on_dead=self._follower_died, trust=trust or None,

@@ -388,3 +388,67 @@ async def test_start_with_trust_set_proves_the_pulled_dir_against_a_signed_manif
     with pytest.raises(EngineStateError):
         await started
     (d / PULLED_MANIFEST).write_text(unsigned.model_dump_json())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+async def test_patches_over_the_memory_budget_apply_in_batches_bit_exact(published, tmp_path,
+                                                                         world):
+    """A tiny apply budget: every patch is decoded and written in many bounded batches inside
+    one pause (tensors split across batches), with the same result as one batch."""
+    from stitch_core.engine.coordinator import APPLY_BYTES_PER_ELEMENT
+
+    root, views = published
+    engines, _, coord = await _start(root, views, world, name="batched")
+    coord.apply_memory = 900 * APPLY_BYTES_PER_ELEMENT  # 900 elements at a time
+    board = LocalBoard(root / "board")
+    f = Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache")
+    for v in range(1, 5):
+        await f.catch_up(v)
+        assert coord.version == v
+        assert all(_same(a, b) for a, b in zip(engines, _engines(world, views[v]), strict=True))
+        st = coord.last_apply
+        assert st["batches"] >= st["changed"] // 900 >= 2, st
+    assert (await coord.verify())["ok"]
+
+
+async def test_a_bad_chunk_in_a_late_batch_undoes_the_earlier_batches(published, tmp_path):
+    """Batches written before a failing one are undone on every rank: the transaction covers
+    the whole patch, not one batch."""
+    from stitch_core.engine.coordinator import APPLY_BYTES_PER_ELEMENT
+
+    root, views = published
+    engines, replicas, coord = await _start(root, views, 2, name="latebad")
+    coord.apply_memory = 1000 * APPLY_BYTES_PER_ELEMENT
+    board = LocalBoard(root / "board")
+    m1 = await read_manifest(board, RUN, 1)
+    paths = await _fetch(board, m1, tmp_path)
+    writes = []
+    real_write = replicas[1].write
+
+    def counting_write(apply_id, values):
+        writes.append(apply_id)
+        if len(writes) == 4:
+            raise RuntimeError("rank 1 fails in the fourth batch")
+        return real_write(apply_id, values)
+
+    replicas[1].write = counting_write
+    with pytest.raises(RuntimeError, match="fourth batch"):
+        await coord.apply_patch(m1, paths)
+    assert len(writes) == 4 and len(set(writes)) == 1  # one apply id for every batch
+    assert coord.version == 0 and (await coord.verify())["ok"]
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
+    replicas[1].write = real_write
+    await coord.apply_patch(m1, paths)
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))
+
+
+async def test_a_chunk_over_the_budget_is_refused_before_anything_is_written(published, tmp_path):
+    root, views = published
+    engines, _, coord = await _start(root, views, 1, name="tiny")
+    coord.apply_memory = 1  # one element: every real chunk is over it
+    board = LocalBoard(root / "board")
+    m1 = await read_manifest(board, RUN, 1)
+    with pytest.raises(PatchError, match="apply budget"):
+        await coord.apply_patch(m1, await _fetch(board, m1, tmp_path))
+    assert coord.version == 0
+    assert all(_same(a, b) for a, b in zip(engines, _engines(1, views[0]), strict=True))

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,10 @@ from stitch_core.versions.store import RefusedVersion, Step, check_signed
 from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.engine")
+# transient bytes the API server holds per changed element while it decodes a batch (positions,
+# old and new bits at int64 and at the tensor's width, the ranks' replies, the RPC copies)
+APPLY_BYTES_PER_ELEMENT = 48
+DEFAULT_APPLY_MEMORY = 64 << 20  # decoded per batch at most (a patch of any size)
 # the adapter's transport: one typed request to every rank, one reply per rank (rank order)
 Rpc = Callable[[rpc.Request], Awaitable[list[Any]]]
 Hook = Callable[[], Awaitable[Any]]
@@ -98,8 +102,12 @@ class Coordinator:
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
-                 rpc_timeout: float | None = 300.0, load_timeout: float | None = 3600.0):
+                 rpc_timeout: float | None = 300.0, load_timeout: float | None = 3600.0,
+                 apply_memory: int = DEFAULT_APPLY_MEMORY):
         self.rpc = rpc
+        # bytes an apply decodes at a time: a patch over it is applied in batches, each one
+        # gathered, decoded and written inside the pause (one transaction, one undo)
+        self.apply_memory = int(apply_memory)
         # every rank RPC is bounded: a hung rank fails the apply (then undone and proven, or
         # the engine stops serving) instead of holding the engine forever
         self.rpc_timeout = rpc_timeout
@@ -303,25 +311,30 @@ class Coordinator:
         async with self._lock:
             t_all = time.perf_counter()
             refs = m.patches if len(m.patches) == len(paths) else [None] * len(paths)
-            readers = [PatchReader(p, sha256=r.sha256 if r else None)
-                       for p, r in zip(paths, refs, strict=True)]
+            readers: list[PatchReader] = []
             try:
+                for p, r in zip(paths, refs, strict=True):
+                    readers.append(PatchReader(p, sha256=r.sha256 if r else None))
                 patch = (readers[0] if len(readers) == 1 and readers[0].header.part is None
                          else PatchSet(readers))
-                plan = await asyncio.to_thread(self._positions, patch, m)
+                placed, fallback = await asyncio.to_thread(self._check, patch, m)
+                batches = self._batches(patch, placed)
                 aid = uuid.uuid4().hex
-                t_g = time.perf_counter()
-                gathered: list[rpc.GatherReply] = await self._call(rpc.Gather(aid, {
-                    n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
-                    for n, (p, _) in plan["placed"].items()}))
-                gather_s = time.perf_counter() - t_g
-                new, fb_new = await asyncio.to_thread(self._decode_all, patch, plan, gathered)
+                fb_new = await asyncio.to_thread(self._decode_fallback, patch, fallback)
+                timing = {"gather_s": 0.0, "gather_rank_s": 0.0}
+                running: dict[str, int] = {}
+                if len(batches) <= 1:  # decoded while the engine serves, written in one pause
+                    first = await self._prepare(patch, batches[0] if batches else [], aid,
+                                                running, timing)
+                    stats = await self._write(m, aid, _once(first), fb_new)
+                else:  # bounded memory: each batch gathered, decoded and written in the pause
+                    stats = await self._write(m, aid, self._each(patch, batches, aid, running,
+                                                                 timing), fb_new)
             finally:
                 for r in readers:
                     r.close()
-            stats = await self._write(m, aid, new, fb_new)
-            stats.update(version=m.version, changed=plan["changed"], gather_s=gather_s,
-                         gather_rank_s=max(g.seconds for g in gathered),
+            changed = sum(c.count for b in batches for _, segs, _ in b for _, c in segs)
+            stats.update(version=m.version, changed=changed, batches=len(batches), **timing,
                          total_s=time.perf_counter() - t_all, patch_bytes=m.patch_bytes)
             self.patch_bytes_total += m.patch_bytes
             self.last_apply = stats
@@ -330,7 +343,12 @@ class Coordinator:
                 self.metrics.applied(m.version, stats["pause_s"], m.patch_bytes)
             return stats
 
-    def _positions(self, patch, m: Manifest) -> dict[str, Any]:
+    def _check(self, patch, m: Manifest) -> tuple[list[Any], list[Any]]:
+        """Everything the header alone can prove, before any payload is decoded: the patch is
+        this run's base -> `m.version`, produces the manifest's fingerprints and both digests,
+        and every entry's dtype, shape and base fingerprint are the engine's (so the declared
+        element counts are the model's, never more). Returns the entries to place on the ranks
+        and those to load through the engine's loader."""
         h = patch.header
         if self.version is None:
             raise EngineStateError("the engine holds no verified version")
@@ -340,7 +358,10 @@ class Coordinator:
         target = {t.name: fpr.parse(t.target_fp) for t in h.tensors if t.target_fp}
         if target != m.fingerprints:
             raise PatchError(f"patch does not produce the fingerprints of {m.run} v{m.version}")
-        placed, fb, changed = {}, [], 0
+        rows = [(n, dt, tuple(s), self.fps[n]) for n, (s, dt) in self.shapes.items()]
+        check_digests(h, rows, [(n, dt, tuple(s), target[n]) for n, (s, dt) in
+                                self.shapes.items()])
+        placed, fb = [], []
         for e in h.tensors:
             if e.kind == "removed" or e.base_fp is None or e.name not in self.shapes:
                 raise PatchError(f"{e.name}: a structural change (added/removed tensor) needs a "
@@ -354,11 +375,61 @@ class Coordinator:
                                  f"engine's {fpr.fmt(self.fps[e.name])} (wrong base version?)")
             if e.name in self.fallback:
                 fb.append(e)
-                continue
-            if e.name in self.unheld:  # no rank holds it: nothing to gather or write
-                continue
-            chunks, pos = [], []
+            elif e.name not in self.unheld and e.changed:  # unheld: nothing to gather or write
+                placed.append(e)
+        return placed, fb
+
+    def _batches(self, patch, entries) -> list[list[tuple[Any, list[tuple[Any, Any]], bool]]]:
+        """Entries' chunks grouped so that a batch decodes at most `apply_memory` bytes
+        (APPLY_BYTES_PER_ELEMENT per changed element); a tensor may span batches."""
+        limit = max(1, self.apply_memory // APPLY_BYTES_PER_ELEMENT)
+        batches: list[list[tuple[Any, list[tuple[Any, Any]], bool]]] = []
+        cur: list[tuple[Any, list[tuple[Any, Any]], bool]] = []
+        n = 0
+        for e in entries:
+            segs: list[tuple[Any, Any]] = []
             for reader, c in chunk_list(patch, e):
+                if c.count > limit:
+                    raise PatchError(f"{e.name}: a chunk of {c.count:,} changed elements is over "
+                                     f"this engine's apply budget ({limit:,} elements, "
+                                     f"STITCH_APPLY_MEMORY={self.apply_memory})")
+                if n + c.count > limit:
+                    if segs:
+                        cur.append((e, segs, False))
+                        segs = []
+                    batches.append(cur)
+                    cur, n = [], 0
+                segs.append((reader, c))
+                n += c.count
+            if segs:
+                cur.append((e, segs, True))  # the tensor's last chunk is in this batch
+        if cur:
+            batches.append(cur)
+        return batches
+
+    async def _prepare(self, patch, batch, aid: str, running: dict[str, int],
+                       timing: dict[str, float]) -> dict[str, np.ndarray]:
+        """One batch: decode its positions, gather the old bits from the ranks, decode and check
+        the new values. The new bits per tensor, in position order."""
+        plan = await asyncio.to_thread(self._positions, batch)
+        t_g = time.perf_counter()
+        gathered: list[rpc.GatherReply] = await self._call(rpc.Gather(aid, {
+            n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
+            for n, (p, _) in plan.items()}))
+        timing["gather_s"] += time.perf_counter() - t_g
+        timing["gather_rank_s"] += max((g.seconds for g in gathered), default=0.0)
+        return await asyncio.to_thread(self._decode, plan, gathered, running)
+
+    async def _each(self, patch, batches, aid: str, running: dict[str, int],
+                    timing: dict[str, float]) -> AsyncIterator[dict[str, np.ndarray]]:
+        for batch in batches:
+            yield await self._prepare(patch, batch, aid, running, timing)
+
+    def _positions(self, batch) -> dict[str, Any]:
+        plan: dict[str, Any] = {}
+        for e, segs, last in batch:
+            chunks, pos = [], []
+            for reader, c in segs:
                 pb, vb = reader.read_chunk(c)
                 try:
                     p = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
@@ -366,18 +437,15 @@ class Coordinator:
                     raise PatchError(f"{e.name}: corrupt patch data: {err}") from None
                 chunks.append((c, vb, len(p)))
                 pos.append(p)
-            if not pos:
-                continue
-            allpos = torch.from_numpy(np.concatenate(pos))
-            changed += allpos.numel()
-            placed[e.name] = (allpos, (e, chunks))
-        return {"placed": placed, "fallback": fb, "changed": changed}
+            plan[e.name] = (torch.from_numpy(np.concatenate(pos)), (e, chunks, last))
+        return plan
 
-    def _decode_all(self, patch, plan, gathered: list[rpc.GatherReply]
-                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        h = patch.header
+    def _decode(self, plan, gathered: list[rpc.GatherReply], running: dict[str, int]
+                ) -> dict[str, np.ndarray]:
+        """New bits of a batch; each tensor's fingerprint is carried in `running` across
+        batches and checked against its target once its last chunk is decoded."""
         new: dict[str, np.ndarray] = {}
-        for name, (pos, (e, chunks)) in plan["placed"].items():
+        for name, (pos, (e, chunks, last)) in plan.items():
             dt = dtypes.info(e.dtype)
             old = torch.empty(pos.numel(), dtype=dt.int_dtype)
             held = torch.zeros(pos.numel(), dtype=torch.bool)
@@ -392,7 +460,7 @@ class Coordinator:
             if not bool(held.all()):
                 raise EngineStateError(f"{name}: {int((~held).sum())} changed positions are held "
                                        "by no rank (layout incomplete)")
-            got = self.fps[name]
+            got = running.get(name, self.fps[name])
             out, s = [], 0
             for c, vb, k in chunks:
                 p, o = pos[s:s + k], old[s:s + k].to(torch.int64)
@@ -400,21 +468,21 @@ class Coordinator:
                 v = decode_chunk(name, c, vb, o, dt, torch.device("cpu"))
                 got = fpr.update(got, name, p, o, v, dt.itemsize)
                 out.append(v.to(dt.int_dtype))
-            if fpr.fmt(got) != e.target_fp:
+            running[name] = got
+            if last and fpr.fmt(got) != e.target_fp:
                 raise PatchError(f"{name}: result fingerprint {fpr.fmt(got)} != {e.target_fp} "
                                  "(corrupt patch?)")
             new[name] = torch.cat(out).numpy()
-        fb_new: dict[str, torch.Tensor] = {}
-        for e in plan["fallback"]:  # verified by apply_entry against the target fingerprint
-            fb_new[e.name] = apply_entry(patch, e, self.fallback[e.name],
-                                         base_fp=self.fps[e.name])
-        rows = [(n, dt, tuple(s), self.fps[n]) for n, (s, dt) in self.shapes.items()]
-        target = {t.name: fpr.parse(t.target_fp) for t in h.tensors}
-        check_digests(h, rows, [(n, dt, tuple(s), target[n]) for n, (s, dt) in
-                                self.shapes.items()])
-        return new, fb_new
+        return new
 
-    async def _write(self, m: Manifest, aid: str, new: dict[str, np.ndarray],
+    def _decode_fallback(self, patch, entries) -> dict[str, torch.Tensor]:
+        """Whole tensors for the engine's loader (loader fallback; outside the memory budget),
+        verified by apply_entry against their target fingerprints."""
+        return {e.name: apply_entry(patch, e, self.fallback[e.name], base_fp=self.fps[e.name])
+                for e in entries}
+
+    async def _write(self, m: Manifest, aid: str,
+                     batches: AsyncIterator[dict[str, np.ndarray]],
                      fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
         gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
         async with gate_cm as handle:
@@ -422,14 +490,20 @@ class Coordinator:
             if self.pause is not None:
                 await self.pause()
             t_w = time.perf_counter()
+            replies: list[rpc.WriteReply] = []
             try:
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
-                    replies: list[rpc.WriteReply] = await self._call(rpc.Write(aid, new))
-                    for name in new:
-                        got = sum(r.delta[name] for r in replies) & fpr.MASK64
+                    deltas: dict[str, int] = {}
+                    async for new in batches:  # one batch, or bounded ones (same apply id)
+                        batch_replies = await self._call(rpc.Write(aid, new))
+                        for name in new:
+                            deltas[name] = (deltas.get(name, 0)
+                                            + sum(r.delta[name] for r in batch_replies))
+                        replies.extend(batch_replies)
+                    for name, got in deltas.items():
                         want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
                             & fpr.MASK64
-                        if got != want:
+                        if got & fpr.MASK64 != want:
                             raise EngineStateError(
                                 f"{name}: ranks wrote a change that does not add up to the "
                                 "manifest's (layout bug?); undone")
@@ -460,7 +534,7 @@ class Coordinator:
                 raise EngineStateError(f"v{m.version}: commit failed and the weights could not "
                                        "be proven afterwards") from e
         return {"write_s": write_s, "pause_s": pause_s,
-                "write_rank_s": max(r.seconds for r in replies)}
+                "write_rank_s": max((r.seconds for r in replies), default=0.0)}
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
         """Load a whole version through the engine's loader, then prove it."""
@@ -529,6 +603,10 @@ class Coordinator:
                       self.version, len(bad), ", ".join(bad[:5]))
             self._set_version(None)
         return self.check
+
+
+async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
+    yield item
 
 
 def _stale(replies) -> list[str]:

@@ -276,7 +276,11 @@ class RankReplica:
         except BaseException:
             self._restore(undo, dirty)
             raise
-        self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
+        if self._undo_id == apply_id:  # a later batch of the same apply: one undo for all
+            self._undo.extend(undo)
+            self._dirty |= dirty
+        else:
+            self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
         self._last_write = [(flat, eng) for flat, eng, _ in undo]
         return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
 

@@ -29,7 +29,10 @@ from stitch_core.format.codec import CodecError
 from stitch_core.format.header import Chunk, PatchHeader, TensorEntry
 from stitch_core.format.stp import PatchError, PatchReader, PatchWriter
 
-DEFAULT_CHUNK_SPAN = 1 << 22
+# positions per chunk the encoder writes: at most 2**20 changed elements per chunk, so an engine
+# decoding one chunk at a time stays within its default apply budget (64 MiB at 48 bytes per
+# element, stitch_core.engine.coordinator); readers accept spans up to header.MAX_CHUNK_SPAN
+DEFAULT_CHUNK_SPAN = 1 << 20
 
 
 def _now() -> str:

@@ -704,3 +704,31 @@ def test_reader_hashes_the_bytes_it_reads_through_one_descriptor(tmp_path):
             assert bytes(pos) + bytes(val) == orig[c.offset:c.offset + c.nbytes]
     with pytest.raises(PatchError, match="not the ones the manifest lists"):
         PatchReader(p, sha256=sha)
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(tmp_path, monkeypatch):
+    """A 32 MiB constant tensor added by a patch: an encoder without the format's cap on symbol
+    probability writes it in a few hundred bytes (a 100,000:1 expansion); readers refuse such a
+    chunk when the patch is opened, before allocating or decoding anything. Our encoder writes
+    the same tensor in ~50 KB (every token costs >= 0.0227 bits) and it round-trips."""
+    from stitch_core.format import entropy
+    from stitch_core.format.stp import PatchReader
+
+    new = {"w": torch.zeros(4096, 4096, dtype=torch.bfloat16)}
+    ours = tmp_path / "ours.stp"
+    diff({}, new).write(ours)
+    assert 40_000 < ours.stat().st_size < 80_000
+    out = apply({}, ours)
+    assert torch.equal(out["w"].view(torch.int16), new["w"].view(torch.int16))
+    from stitch_core.format import header
+
+    monkeypatch.setattr(entropy, "MIN_COST_SHIFT", 40)  # an encoder without the cap
+    monkeypatch.setattr(header, "min_stream_bytes", lambda k: 0)  # (and a writer not checking)
+    bomb = tmp_path / "bomb.stp"
+    diff({}, new).write(bomb)
+    monkeypatch.undo()
+    assert bomb.stat().st_size < 4_000  # 32 MiB from under 4 KB
+    with pytest.raises(PatchError, match="decompression bomb"):
+        PatchReader(bomb)
+    with pytest.raises(PatchError, match="decompression bomb"):
+        apply({}, bomb)

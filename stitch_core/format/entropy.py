@@ -11,6 +11,7 @@ are small numba kernels; everything around them is vectorised numpy.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -22,6 +23,10 @@ RANS_L = 1 << 23
 SCALE_BITS = 14
 MAX_SCALE_BITS = 15
 MAX_CONTEXTS = 64
+# the most probable symbol gets at most 1 - 2**-MIN_COST_SHIFT of a table, so each token costs at
+# least MIN_TOKEN_BITS (~0.0227 bits): a stream cannot expand more than ~350 values per byte
+MIN_COST_SHIFT = 6
+MIN_TOKEN_BITS = -math.log2(1 - 2.0**-MIN_COST_SHIFT) * 0.999
 
 
 class StreamError(StitchError, ValueError):
@@ -249,7 +254,21 @@ def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
                 f[s] -= take
                 diff += take
         i += 1
+    cap = target - (target >> MIN_COST_SHIFT)
+    top = int(np.argmax(f))
+    if f[top] > cap:  # no symbol is (nearly) free: every token costs >= MIN_TOKEN_BITS
+        spare = np.flatnonzero(f == 0)
+        f[spare[0] if spare.size else int(np.argsort(f)[-2])] += int(f[top]) - cap
+        f[top] = cap
     return f
+
+
+def min_stream_bytes(k: int) -> int:
+    """The fewest bytes `encode` can write for `k` values: every token costs at least
+    MIN_TOKEN_BITS (no symbol's frequency is over 1 - 2^-MIN_COST_SHIFT), less the 32 bits of
+    rANS state slack. Readers refuse streams claiming more values than this allows (a
+    decompression bomb): see docs/format.md section 3.2."""
+    return max(0, int(k * MIN_TOKEN_BITS / 8) - 4)
 
 
 def cost_bits(tokens: np.ndarray, ctx: np.ndarray, n_ctx: int) -> float:
@@ -333,6 +352,9 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
     p += 8
     if p + rans_len + extra_len != buf.size:
         raise StreamError("stream length mismatch")
+    if rans_len + extra_len < min_stream_bytes(k):
+        raise StreamError(f"{buf.size} bytes cannot hold {k} values (over the format's "
+                          "expansion limit: a decompression bomb?)")
     ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
     if ctx.shape[0] != k or (k and int(ctx.max()) >= n_ctx):
         raise StreamError("context out of range")

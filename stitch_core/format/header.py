@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stitch_core.format.dtypes import INFOS
+from stitch_core.format.entropy import min_stream_bytes
 
 FORMAT_NAME = "stitch-patch"
 FORMAT_VERSION = 1
@@ -39,6 +40,9 @@ class Chunk(BaseModel):
             raise ValueError(f"chunk span [{self.start}, {self.stop}) is empty or too large")
         if self.count > self.stop - self.start:
             raise ValueError("chunk count exceeds its span")
+        if min_stream_bytes(self.count) > self.val_bytes:  # refused before any decoding
+            raise ValueError(f"chunk claims {self.count} values in {self.val_bytes} bytes: over "
+                             "the format's expansion limit (a decompression bomb?)")
         return self
 
     @property

@@ -15,7 +15,7 @@ from pathlib import Path
 from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.versions.board import open_board
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.materialize import default_cache_dir, pull
+from stitch_core.versions.materialize import default_cache_dir, pull, remove
 from stitch_trainer.publisher import Publisher
 
 __all__ = ["add_publish"]
@@ -29,10 +29,10 @@ def cmd_publish(a: argparse.Namespace) -> int:
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
     with Publisher(
         a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every,
-        config_dir=config_dir, signing_key=a.sign,
+        config_dir=config_dir, signing_key=a.sign, keep_snapshots=a.keep_snapshots,
     ) as pub:
-        if pub.published is not None:  # diff against the run's latest: materialise it
-            prev = pub.published
+        prev = pub.published
+        if prev is not None:  # diff against the run's latest: materialise it
 
             async def fetch() -> Path:
                 async with open_board(a.board) as board:
@@ -48,6 +48,8 @@ def cmd_publish(a: argparse.Namespace) -> int:
             pub.resume_from(prev, view, m.fingerprints)
         info = pub.publish(a.step if a.step is not None else 0, masters)
         m = info.result()
+    if prev is not None:
+        drop_pulled(cache, a.run, prev)
     out = {
         "run": m.run,
         "version": m.version,
@@ -71,6 +73,15 @@ def cmd_publish(a: argparse.Namespace) -> int:
     return 0
 
 
+def drop_pulled(cache: Path, run: str, upto: int) -> None:
+    """Remove the `pulled-N` directories (N <= `upto`) `stitch publish` materialised to diff
+    against: once a newer version is published, none of them is the base of a publish again."""
+    for d in (cache / run).glob("pulled-*"):
+        n = d.name.removeprefix("pulled-")
+        if n.isdigit() and int(n) <= upto:
+            remove(d)
+
+
 def add_publish(sub: argparse._SubParsersAction) -> None:
     """Add `stitch publish` to the CLI's subparsers."""
     p = sub.add_parser("publish", help="publish master weights as the run's next version")
@@ -86,5 +97,8 @@ def add_publish(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sign", metavar="PATH",
                    help="sign the version (manifest and latest) with this private key "
                         "(`stitch keys new PATH`)")
+    p.add_argument("--keep-snapshots", type=int, metavar="K",
+                   help="after publishing a snapshot, delete versions older than the newest K "
+                        "snapshots (as `stitch gc --keep-snapshots K`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_publish)

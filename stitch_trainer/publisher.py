@@ -5,6 +5,8 @@ on the caller's thread, plus a device-to-host copy), assigns the version number 
 `VersionInfo` at once. A background thread diffs against the previous view, encodes the patch,
 writes a snapshot every K versions, uploads, moves `latest` and announces on NATS. The queue is
 bounded (`queue_size`): when uploads fall behind, `publish` waits instead of piling up memory.
+With `keep_snapshots=K` the same thread runs the board's retention (`stitch gc`) after each
+snapshot it publishes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stitch_core.format.patch import PatchBuilder
 from stitch_core.format.views import project
 from stitch_core.versions.board import Board
 from stitch_core.versions.manifest import Manifest
+from stitch_core.versions.retention import gc
 from stitch_core.versions.store import object_ref, write_version
 
 from .base import SIDE_FILES, PublisherBase, rows_of, shard_names
@@ -90,10 +93,14 @@ class Publisher(PublisherBase):
         spool_dir: str | Path | None = None,
         max_shard_bytes: int = 5 << 30,
         signing_key: str | Path | None = None,
+        keep_snapshots: int | None = None,
     ):
+        if keep_snapshots is not None and keep_snapshots < 1:
+            raise ValueError(f"keep_snapshots must be at least 1 (got {keep_snapshots})")
         super().__init__(board, run, view, config_dir=config_dir, io_name="stitch-publisher-io",
                          signing_key=signing_key)
         self.snapshot_every = snapshot_every
+        self.keep_snapshots = keep_snapshots  # None: no retention (the board keeps everything)
         self.nats_url = nats
         self.max_shard_bytes = max_shard_bytes
         self._spool = Path(spool_dir or tempfile.mkdtemp(prefix="stitch-publish-"))
@@ -185,10 +192,25 @@ class Publisher(PublisherBase):
             try:
                 m = self._call(self._publish(info, payload))
                 info._future.set_result(m)
+                if self.keep_snapshots is not None and m.kind == "snapshot":
+                    self._call(self._gc())
             except BaseException as e:  # the next version becomes a snapshot from scratch
                 log.error("publishing %s v%d failed: %s", self.run, info.version, e)
                 self._base = None
                 info._future.set_exception(e)
+
+    async def _gc(self) -> None:
+        """The board's retention after a snapshot: a failure is logged, never a publish error."""
+        assert self.keep_snapshots is not None
+        try:
+            r = await gc(self.board, self.run, self.keep_snapshots)
+        except Exception as e:  # noqa: BLE001 - e.g. a board that cannot delete
+            log.warning("gc of %s (keep %d snapshots) failed: %s", self.run, self.keep_snapshots,
+                        e)
+            return
+        if r.deleted:
+            log.info("gc of %s: deleted %d versions below v%s (%d bytes)", self.run,
+                     len(r.deleted), r.cut, r.bytes_freed)
 
     async def _init(self):
         self._base: tuple[int, dict[str, torch.Tensor], dict[str, int]] | None = None

@@ -1,4 +1,4 @@
-"""CLI verbs around versions: up, publish, pull, versions, status, board serve."""
+"""CLI verbs around versions: up, publish, pull, versions, gc, status, board serve."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from stitch_core.cli.keys import trust_set
 from stitch_core.versions.board import open_board
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.materialize import default_cache_dir, pull
+from stitch_core.versions.retention import GcReport, gc
 from stitch_core.versions.store import RefusedVersion, check_signed, list_manifests
 
 # `pull` and `list_manifests` are library code in stitch_core.versions (still importable from here
@@ -122,6 +123,40 @@ def _trusted(m: Manifest, trust) -> bool | str:
     return True
 
 
+# ---------------------------------------------------------------- gc
+
+
+def cmd_gc(a: argparse.Namespace) -> int:
+    """`stitch gc`: delete a run's versions older than its newest K snapshots (and their
+    chains); returns the exit status."""
+    async def go() -> GcReport:
+        async with open_board(a.board) as board:
+            return await gc(board, a.run, a.keep_snapshots, dry_run=a.dry_run,
+                            trust=trust_set(a))
+
+    r = asyncio.run(go())
+    if a.json:
+        print(r.model_dump_json())
+        return 0
+    verb = "would delete" if r.dry_run else "deleted"
+    for d in r.deleted:
+        print(f"{verb} v{d.version} ({d.kind or 'unreadable manifest'}, {d.objects} objects, "
+              f"{d.bytes:,} bytes)")
+    kept = ", ".join(f"v{v}" for v in r.kept_snapshots) or "none"
+    print(f"{r.run}: latest v{r.latest}; kept snapshots {kept}; "
+          + (f"{verb} {len(r.deleted)} versions below v{r.cut}, {r.bytes_freed:,} bytes"
+             if r.deleted else (r.reason or "nothing to delete")))
+    return 0
+
+
+def _at_least_one(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n}): gc never deletes the "
+                                         "last snapshot")
+    return n
+
+
 # ---------------------------------------------------------------- status / up / serve
 
 
@@ -180,7 +215,7 @@ def cmd_board_serve(a: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add the version verbs (up, pull, versions, status, board serve) to `sub`."""
+    """Add the version verbs (up, pull, versions, gc, status, board serve) to `sub`."""
     u = sub.add_parser("up", help="start the dev stack: local nats-server (JetStream) + a board")
     u.add_argument("--dir", default="./stitch-dev", help="board + JetStream store directory")
     u.add_argument("--port", type=int, default=4222, help="NATS port (0: any free port)")
@@ -206,6 +241,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--trust", action="append", metavar="PUB",
                    help="also check each version's signature against these keys (repeatable)")
     v.set_defaults(fn=cmd_versions)
+
+    g = sub.add_parser("gc", help="delete a run's versions older than its newest K snapshots "
+                                  "(latest and every follower's chain from them are kept)")
+    g.add_argument("board", help="a writable board (directory or nats://; not HTTP)")
+    g.add_argument("--run", required=True)
+    g.add_argument("--keep-snapshots", type=_at_least_one, required=True, metavar="K",
+                   help="keep the newest K snapshots on the chain of latest and every version "
+                        "after the oldest of them")
+    g.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--trust", action="append", metavar="PUB",
+                   help="count only snapshots signed by these keys (repeatable; default "
+                        "$STITCH_TRUST)")
+    g.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("status", help="fleet table from engine heartbeats")
     s.add_argument("--nats", required=True)

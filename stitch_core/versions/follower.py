@@ -28,6 +28,7 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply as apply_patch
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.cache import DEFAULT_MAX_BYTES, CacheUse, prune
 from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
 from stitch_core.versions.materialize import default_cache_dir
 from stitch_core.versions.state import engine_state, lag
@@ -72,7 +73,8 @@ class Follower:
                  held: Callable[[], int | None] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
                  trust: TrustSet | None = None,
-                 on_refused: Callable[[int, str | None], None] | None = None):
+                 on_refused: Callable[[int, str | None], None] | None = None,
+                 cache_max_bytes: int | None = DEFAULT_MAX_BYTES):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
@@ -83,6 +85,12 @@ class Follower:
         self.latest: int | None = self.version
         self.nats_url = nats
         self.cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        # the cache keeps what is in use and the newest snapshot + what leads from it, within
+        # `cache_max_bytes` (None: no cap); see stitch_core.versions.cache
+        self.cache_max_bytes = cache_max_bytes
+        self._cache_use = CacheUse(self.cache, self.run)
+        self._keep_from: int | None = None  # the newest snapshot version reached
+        self._over_cap_logged = False
         self.reconcile_interval = reconcile_interval
         self.heartbeat_interval = heartbeat_interval
         self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -227,6 +235,7 @@ class Follower:
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)
+        self._cache_use.close()
         if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -368,8 +377,32 @@ class Follower:
                     self._changed.notify_all()
                 log.info("follower %s: now at %s v%d (%s)", self.id, self.run, step.version,
                          step.kind)
+                await self._prune_cache(step)  # after waiters are told: off the serving path
+
+    async def _prune_cache(self, step: Step) -> None:
+        """`step` is applied: hold its version as the current one, prune the cache (a failed
+        prune is logged, never an error of the step)."""
+        if step.manifest.kind == "snapshot":
+            self._keep_from = step.version
+        try:
+            await asyncio.to_thread(self._cache_use.done, step.version)
+            r = await asyncio.to_thread(prune, self.cache, self.run, current=step.version,
+                                        keep_from=self._keep_from,
+                                        max_bytes=self.cache_max_bytes)
+        except Exception as e:  # noqa: BLE001 - a full disk, a foreign file: keep following
+            log.warning("follower %s: pruning cache %s failed: %s", self.id, self.cache, e)
+            return
+        if r.removed:
+            log.info("follower %s: cache: removed %d version directories (%d bytes)", self.id,
+                     len(r.removed), r.freed)
+        if r.over_cap and not self._over_cap_logged:
+            log.warning("follower %s: cache %s still holds %d bytes after pruning, over its "
+                        "cap of %d: the rest is in use", self.id, self.cache, r.total,
+                        r.max_bytes)
+        self._over_cap_logged = r.over_cap
 
     async def _fetch(self, step: Step) -> Step:
+        await asyncio.to_thread(self._cache_use.begin, step.version)  # in use until applied
         m = step.manifest
         if step.kind == "patch":
             return step.fetched(await fetch_patch(self.board, m, self.cache))

@@ -28,8 +28,10 @@ from stitch_core.format.checkpoint import (
 from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, check_digests, row
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board.base import Board
+from stitch_core.versions.cache import hold
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.store import (
+    Step,
     VersionError,
     fetch_object,
     fetch_patch,
@@ -173,6 +175,20 @@ async def pull(
         raise FileExistsError(f"{out} exists (use --force to replace it)")
     await read_manifest(board, run, version, trust)  # the target itself: refused by name
     steps = await plan(board, run, None, version, trust=trust)
+    # in use while we read them: a follower sharing the cache never prunes them meanwhile
+    holds = [await asyncio.to_thread(hold, cache, run, s.version) for s in steps]
+    try:
+        return await _materialise(board, steps, out, cache, force=force, quiet=quiet)
+    finally:
+        for h in holds:
+            if h is not None:
+                h.release()
+
+
+async def _materialise(board: Board, steps: list[Step], out: Path, cache: Path, *, force: bool,
+                       quiet: bool) -> Manifest:
+    """`pull` once planned: fetch the steps' objects, apply the chain, write `out`."""
+    run, version = steps[-1].manifest.run, steps[-1].manifest.version
     snap, patches = steps[0], steps[1:]
     files = [r for r in snap.manifest.objects if r.role != "patch"]
     total = sum(r.size for r in files) + sum(s.manifest.patch_bytes for s in patches)

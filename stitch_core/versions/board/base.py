@@ -37,7 +37,7 @@ class LatestConflict(BoardError):
 
 
 class ReadOnlyBoard(BoardError):
-    """Raised on a write (put, move_latest) to a read-only board."""
+    """Raised on a write (put, move_latest, delete) to a read-only board."""
 
 
 
@@ -86,6 +86,11 @@ class Board(ABC):
     async def list_versions(self, run: str) -> list[int] | None:
         """Versions present on the board, if the backend can list (None: it cannot)."""
         return None
+
+    async def delete(self, key: str) -> None:
+        """Remove an object (retention: `stitch gc`); no reader finds it once this returns, and
+        a key that is not there is no error. Boards that cannot delete raise ReadOnlyBoard."""
+        raise ReadOnlyBoard(f"board {self.url} cannot delete objects")
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

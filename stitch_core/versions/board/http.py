@@ -221,6 +221,10 @@ class HttpBoard(Board):
     async def list_versions(self, run: str) -> list[int] | None:
         return None
 
+    async def delete(self, key: str) -> None:
+        raise ReadOnlyBoard(f"HTTP board {self.url} is read-only; cannot delete {key} (run "
+                            f"`stitch gc` on the board directory it serves, or a NATS board)")
+
 
 def _sync(f) -> None:
     f.flush()

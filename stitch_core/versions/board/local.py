@@ -4,6 +4,7 @@ flock-guarded CAS of `latest`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import shutil
@@ -111,6 +112,21 @@ class LocalBoard(Board):
 
     async def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        _fsync_dir(path.parent)  # gone for good before the caller deletes what it lists
+        with contextlib.suppress(OSError):  # the version directory, once empty
+            path.parent.rmdir()
+
+    async def delete(self, key: str) -> None:
+        """Unlink the object (a reader that has it open keeps reading it); its directory goes
+        with its last object."""
+        await asyncio.to_thread(self._delete, key)
 
     async def read_latest(self, run: str) -> Latest | None:
         try:

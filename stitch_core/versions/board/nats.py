@@ -413,6 +413,19 @@ class NatsBoard(Board):
         log.debug("put %s: %d bytes in %d chunks", key, size, sent)
         return True
 
+    async def delete(self, key: str) -> None:
+        """Purge the object's metadata subject (no reader finds it from then on, and no
+        deleted-object marker is left behind to be listed), then its chunks."""
+        check_key(key)
+        with self._errors(f"delete {key}"):
+            if await self._objects() is None:  # no bucket: nothing was ever written
+                return
+            info = await self._info(key)
+            js = await self._ready()
+            await js.purge_stream(self._stream, subject=self._meta_subject(key))
+            if info is not None and info.nuid:
+                await js.purge_stream(self._stream, subject=f"$O.{self.bucket}.C.{info.nuid}")
+
     async def _purge(self, chunk_subject: str) -> None:
         js = self._js
         if js is None:

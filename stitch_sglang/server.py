@@ -15,7 +15,16 @@ EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
   KV).
 
 The version protocol, `/stitch/status`, `/stitch/verify` and the Prometheus metrics come from
-`stitch_core`; `/generate` (POST and PUT) is version-controlled besides the OpenAI paths.
+`stitch_core`. Which routes are version-controlled is read from SGLang's own route table at
+start-up (`classify`, the rule of `stitch_core.serve.routes`): every POST/PUT route except those
+SGLang marks as admin endpoints (``@auth_level(ADMIN_...)``: weight updates, cache flushes,
+profiling, pauses, ...) and the tokenizer / count / parser / session / cancel / abort ones, so
+native `/generate` (POST and PUT), `/encode`, `/classify`, the OpenAI, Anthropic and Ollama
+routes, scoring and rerank; WebSockets (the realtime API) are refused while no version is
+proven. `FALLBACK` is version-controlled whatever the table says.
+
+SGLang adds its `--api-key` middleware after the plugin added Stitch's, so around it: the key is
+checked before admission. `/stitch/verify` takes `--api-key` or `--admin-api-key`.
 Configuration: the environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, ...).
 """
 
@@ -29,15 +38,60 @@ from pathlib import Path
 from typing import Any
 
 from stitch_core.engine import rpc
-from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
-from stitch_core.serve import protocol
+from stitch_core.node import (
+    EngineFollower,
+    FollowerMiddleware,
+    Settings,
+    bearer_check,
+    check_guard,
+    current,
+    instance_guard,
+)
+from stitch_core.serve import protocol, routes
+from stitch_core.serve.routes import WEBSOCKET, Route, RouteInfo
 from stitch_core.versions.manifest import PULLED_MANIFEST
 
 log = logging.getLogger("stitch.sglang")
 
-__all__ = ["SglangFollower", "StitchMiddleware", "Settings", "current", "PATHS"]
+__all__ = ["SglangFollower", "StitchMiddleware", "Settings", "current", "PATHS", "classify",
+           "FALLBACK"]
 
 PATHS = (*protocol.DEFAULT_PATHS, "/generate")
+_BOTH = frozenset({"POST", "PUT"})
+# version-controlled whatever the route table says (generating routes of SGLang 0.5.23)
+FALLBACK: tuple[Route, ...] = (
+    *(Route(p) for p in protocol.DEFAULT_PATHS),
+    Route("/generate", _BOTH),
+    Route("/v1/responses", dialect="responses"),
+    Route("/v1/messages", dialect="anthropic", salt=False),
+    Route("/invocations"),
+    Route("/encode", _BOTH, salt=False),
+    Route("/classify", _BOTH, salt=False),
+    Route("/v1/realtime", frozenset({WEBSOCKET}), salt=False, control="refuse"),
+)
+_AUTH_MIDDLEWARE = "_ApiKeyASGIMiddleware"  # sglang.srt.utils.auth.add_api_key_middleware's
+
+
+def _control_endpoint(info: RouteInfo) -> bool:
+    """SGLang marks its admin endpoints with `@auth_level(AuthLevel.ADMIN_*)`."""
+    level = getattr(info.endpoint, "_auth_level", None)
+    return level is not None and str(getattr(level, "value", level)) != "normal"
+
+
+def classify(info: RouteInfo) -> Route | None:
+    """A route of SGLang's app: version-controlled (a `Route`) or not (None)."""
+    return routes.generating(info, _control_endpoint)
+
+
+def api_keys(tm: Any = None) -> tuple[str | None, str | None]:
+    """SGLang's (`--api-key`, `--admin-api-key`)."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        serving = get_serving()
+    except Exception:
+        serving = getattr(tm, "server_args", None)
+    return getattr(serving, "api_key", None), getattr(serving, "admin_api_key", None)
 FLUSH_TIMEOUT = 60.0  # seconds a queued radix-cache flush waits for the engine to go idle
 
 _ACTIVE = False  # the middleware was added to SGLang's app (this process follows a run)
@@ -153,8 +207,26 @@ class StitchMiddleware(FollowerMiddleware):
     and stop. Added by the plugin; `app.add_middleware(StitchMiddleware)` does the same."""
 
     def __init__(self, app: Any, **kw: Any):
-        kw.setdefault("paths", PATHS)
+        kw.setdefault("routes", FALLBACK)
         super().__init__(app, **kw)
+
+    def discover_routes(self, app: Any) -> list[Route] | None:
+        return routes.discover(app, classify, FALLBACK)
+
+    def setup_auth(self, app: Any) -> None:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        api_key, admin_key = api_keys(getattr(get_global_state(), "tokenizer_manager", None))
+        auth = self.below(lambda m: type(m).__name__ == _AUTH_MIDDLEWARE)
+        outside = any(getattr(m.cls, "__name__", "") == _AUTH_MIDDLEWARE
+                      for m in getattr(app, "user_middleware", []))
+        if auth is not None:  # below Stitch: run it in front of admission too
+            self.set_guard(instance_guard(auth))
+        elif not outside and (own := bearer_check([api_key])) is not None:
+            log.warning("stitch: SGLang has an API key but no key check around Stitch's "
+                        "middleware; Stitch checks it itself on every route it controls")
+            self.set_guard(check_guard(own))
+        self.control_check = bearer_check([api_key, admin_key])
 
     def make_follower(self, app: Any) -> SglangFollower | None:
         from sglang.srt.entrypoints.http_server import get_global_state
@@ -168,15 +240,6 @@ class StitchMiddleware(FollowerMiddleware):
     async def shutdown(self) -> None:
         _WAKE.set()
         await super().shutdown()
-
-    async def http(self, scope, receive, send) -> None:
-        # SGLang's /generate also answers PUT: version-controlled the same way as POST
-        if scope.get("method") == "PUT" and scope.get("path") in self.paths:
-            gate = self.get_gate()
-            if gate is not None:
-                await self.serve(gate, scope, receive, send)
-                return
-        await super().http(scope, receive, send)
 
 
 # ------------------------------------------------------------------ hooks (see plugin.py)

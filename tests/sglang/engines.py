@@ -62,11 +62,14 @@ class Server(Engine):
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, plain: bool = False,
                  python: str = sys.executable, extra: list[str] | tuple[str, ...] = (),
-                 **stitch: str):
+                 api_key: str | None = None, **stitch: str):
         port = free_port()
         self.tp = tp
-        cmd = server_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra])
+        keys = ["--api-key", api_key] if api_key else []
+        cmd = server_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra, *keys])
         super().__init__(cmd, engine_env(tp, plain, **stitch), port, str(model_dir), log)
+        if api_key:  # every helper request carries it
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
 
     def complete(self, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,

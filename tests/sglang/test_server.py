@@ -22,15 +22,18 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
 from stitch_core.format import fingerprint as fpr  # noqa: E402
+from stitch_core.serve import protocol  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.store import read_manifest  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import Trainer, forge_next_version, wait_rejected  # noqa: E402
+from ..engine_common import Trainer, forge_next_version, sse_events, wait_rejected  # noqa: E402
 from .engines import PROMPTS, Server, fresh_outputs  # noqa: E402
+from .test_routes import bodies  # noqa: E402
 
 RUN = "sg-e2e"
+API_KEY = "sg-e2e-key"
 COMPARE = [4, 10]  # each fresh engine costs a start-up (~1-2.5 min on 2 cores)
 
 
@@ -42,9 +45,12 @@ def stack(tmp_path_factory, nats_server):
     assert trainer.publish() == 0
     asyncio.run(pull(LocalBoard(root / "board"), RUN, 0, root / "v0", root / "cache",
                      quiet=True))
+    # with an API key (SGLang checks it before Stitch admits); verifies not rate-limited here
+    # (test_routes checks the limit)
     server = Server(root / "v0", root / "server.log", extra=["--enable-metrics"],
-                    board=str(root / "board"), nats_url=nats_server.url, run=RUN,
-                    cache_dir=str(root / "engine-cache"), reconcile_interval="1")
+                    api_key=API_KEY, board=str(root / "board"), nats_url=nats_server.url,
+                    run=RUN, cache_dir=str(root / "engine-cache"), reconcile_interval="1",
+                    verify_cooldown="0")
     try:
         server.wait_version(0)
         # SGLang's own warm-up request (a /generate) was held until v0 was proven, then passed
@@ -156,8 +162,8 @@ def test_protocol_pinned_min_wait_and_409(stack):
 
 
 def _stream(server, path, body, headers, out: dict, key: str, started: threading.Event):
-    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream(
-            "POST", path, json=body, headers=headers) as resp:
+    with httpx.Client(base_url=server.url, timeout=300, headers=server.http.headers) as c, \
+            c.stream("POST", path, json=body, headers=headers) as resp:
         events = []
         for ln in resp.iter_lines():
             if ln.startswith("data: "):
@@ -224,3 +230,48 @@ def test_forged_version_is_refused_and_serving_continues(stack):
     st = server.wait_version(v + 1, timeout=60)
     assert st["fingerprint_check"]["ok"] is True
     assert server.http.post("/stitch/verify").json()["ok"] is True
+
+
+def test_every_generating_route_is_pinned_and_stamped(stack):
+    """The Responses, Anthropic Messages and Ollama APIs and SageMaker's /invocations: 409
+    pinned to a version the engine does not hold (in each API's error shape), stamped when served
+    (headers and the JSON field; a stream's last event, or an NDJSON stream's done line, in its
+    dialect); SGLang's key check first."""
+    server = stack["server"]
+    v = server.status()["version"]
+    stamp = {"run": RUN, "version_start": v, "version_end": v}
+    b = bodies(server.model)
+    anon = httpx.Client(base_url=server.url, timeout=120)
+    for path in ("/v1/responses", "/v1/messages", "/invocations", "/api/generate", "/api/chat"):
+        body = {**b[path], "stream": False}
+        r = server.http.post(path, json=body, headers={"X-Stitch-Version": str(v + 5)})
+        assert r.status_code == 409, (path, r.text)
+        err = protocol.parse_not_ready(r.json())
+        assert err.reason == "behind" and err.serving == v and err.wanted == v + 5
+        assert (r.json().get("type") == "error") == (path == "/v1/messages")
+        r = server.http.post(path, json=body, headers={"X-Stitch-Version": str(v)})
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["X-Stitch-Version-Start"] == r.headers["X-Stitch-Version-End"] == str(v)
+        assert r.json()["stitch"] == stamp, path
+        assert anon.post(path, json=body).status_code == 401, path  # SGLang's, before Stitch
+    # streams: the stamp is the last event, in each API's own shape
+    r = server.http.post("/v1/responses", json={**b["/v1/responses"], "stream": True},
+                         headers={"X-Stitch-Min-Version": str(v)})
+    evs = sse_events(r.text)
+    assert evs[-1][0] == "response.stitch", r.text[-600:]
+    assert evs[-1][1]["stitch"] == stamp and evs[-1][1]["type"] == "response.stitch"
+    assert evs[-2][0] in ("response.completed", "response.incomplete"), [n for n, _ in evs]
+    assert evs[-1][1]["sequence_number"] == evs[-2][1]["sequence_number"] + 1
+    r = server.http.post("/v1/messages", json={**b["/v1/messages"], "stream": True})
+    evs = sse_events(r.text)
+    assert evs[-1] == ("stitch", {"type": "stitch", "stitch": stamp}), r.text[-600:]
+    assert "message_stop" in [n for n, _ in evs]
+    r = server.http.post("/api/generate", json={**b["/api/generate"], "stream": True})
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(ln) for ln in r.text.splitlines() if ln.strip()]
+    assert lines[-1]["done"] is True and lines[-1]["stitch"] == stamp, lines[-2:]
+    assert all("stitch" not in ln for ln in lines[:-1])
+    # /stitch/verify takes the key
+    assert anon.post("/stitch/verify").status_code == 401
+    assert server.http.post("/stitch/verify").json()["ok"] is True
+    anon.close()

@@ -93,7 +93,8 @@ class Hold:
         self.release()
 
     def __del__(self) -> None:
-        self.release()
+        with contextlib.suppress(Exception):  # e.g. at interpreter shutdown
+            self.release()
 
 
 def hold(cache: str | os.PathLike, run: str, version: int, *, create: bool = True) -> Hold | None:

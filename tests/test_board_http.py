@@ -354,3 +354,37 @@ async def test_open_board_http(site):
 def test_serve_rejects_missing_dir(tmp_path):
     with pytest.raises(NotADirectoryError):
         serve(tmp_path / "nope", "127.0.0.1", 0)
+
+
+async def test_get_with_a_size_limit_refuses_before_reading_whole(board, site, srv):
+    """A reader's limit (manifests 64 MiB, `latest` 64 KiB): refused from Content-Length, or
+    while streaming when the server sends none, never buffered whole; the local board checks
+    the file's size first."""
+    from stitch_core.versions.board.base import TooLarge
+
+    with pytest.raises(TooLarge, match="over the 1,000-byte limit"):
+        await board.get(BIG, max_bytes=1000)
+    srv.faults["no_length"] = True
+    with pytest.raises(TooLarge, match="over the 1,000-byte limit"):
+        await board.get(BIG, max_bytes=1000)
+    srv.faults["no_length"] = False
+    assert await board.get(BIG, max_bytes=len(site["data"])) == site["data"]
+    local = LocalBoard(site["root"])
+    with pytest.raises(TooLarge):
+        await local.get(BIG, max_bytes=1000)
+    assert await local.get(MANIFEST, max_bytes=12) == b'{"hello": 1}'
+
+
+async def test_a_huge_latest_or_manifest_is_refused(tmp_path, monkeypatch):
+    from stitch_core.versions import store
+    from stitch_core.versions.board.base import TooLarge
+
+    b = LocalBoard(tmp_path)
+    (tmp_path / RUN).mkdir()
+    (tmp_path / latest_key(RUN)).write_bytes(b" " * (65 << 10) + b"{}")
+    with pytest.raises(TooLarge):
+        await b.read_latest(RUN)
+    await b.put(manifest_key(RUN, 3), b"{" + b" " * 5000 + b"}")
+    monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 4096)
+    with pytest.raises(TooLarge):
+        await store.read_manifest(b, RUN, 3)

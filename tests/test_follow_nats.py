@@ -199,9 +199,9 @@ async def test_the_snapshot_search_is_bounded_on_a_board_that_cannot_list(tmp_pa
         async def list_versions(self, run):
             return None
 
-        async def get(self, key):
+        async def get(self, key, max_bytes=None):
             Unlisted.reads += 1
-            return await super().get(key)
+            return await super().get(key, max_bytes)
 
     b = Unlisted(tmp_path / "board")
     with pytest.raises(store.VersionError, match="no usable snapshot"):

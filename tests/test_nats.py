@@ -342,3 +342,26 @@ async def test_server_restart_keeps_data_and_subscriptions(doomed_server):
     finally:
         await nc.close()
         again.stop()
+
+
+async def test_get_with_a_size_limit_is_refused_from_the_object_info(board):
+    from stitch_core.versions.board.base import TooLarge
+
+    await board.put("r/versions/000001/manifest.json", b"x" * 5000)
+    with pytest.raises(TooLarge, match="5,000 bytes"):
+        await board.get("r/versions/000001/manifest.json", max_bytes=4096)
+    assert len(await board.get("r/versions/000001/manifest.json", max_bytes=5000)) == 5000
+
+
+async def test_oversized_announcements_are_skipped_and_logged_sparingly(nc, caplog):
+    run, js = _name("r"), nc.jetstream()
+    await an.ensure_streams(js, run)
+    q: asyncio.Queue = asyncio.Queue()
+    sub = await an.subscribe_versions(js, run, q.put, deliver="new")
+    await asyncio.sleep(0.1)
+    for _ in range(20):  # a flood of 100 KB messages: skipped, logged 5 times (1, 2, 4, 8, 16)
+        await js.publish(an.versions_subject(run), b"{" + b" " * (100 << 10) + b"}")
+    await an.announce(js, _ann(run, 1))
+    assert (await _next(q)).version == 1
+    assert caplog.text.count("oversized announcement") == 5
+    await sub.unsubscribe()

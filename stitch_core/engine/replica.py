@@ -144,8 +144,11 @@ class RankReplica:
         params = self._params()
         out = {}
         for name in names if names is not None else layout.tensors:
-            tm = layout.tensors[name]
+            tm = layout.tensors.get(name)
             total = 0
+            if tm is None:  # no copy of it on this rank (others may hold it)
+                out[name] = 0
+                continue
             for seg in tm.segments:
                 flat = params[seg.param].data.reshape(-1)
                 for i in np.flatnonzero(seg.length >= _LONG_RUN).tolist():

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import nats
 import nats.errors
@@ -42,7 +42,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from stitch_core.errors import StitchError
-from stitch_core.versions.manifest import Announcement, Heartbeat, check_run
+from stitch_core.versions.manifest import (
+    MAX_ANNOUNCEMENT_BYTES,
+    Announcement,
+    Heartbeat,
+    check_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -403,15 +408,27 @@ async def subscribe_versions(js: JS, run: str, callback: Callback, *,
     policy = {"last": api.DeliverPolicy.LAST, "all": api.DeliverPolicy.ALL,
               "new": api.DeliverPolicy.NEW}[deliver]
 
+    skipped = 0
+
+    def skip(why: str, *args: Any) -> None:  # logged at powers of two and every 1000th only
+        nonlocal skipped
+        skipped += 1
+        if skipped & (skipped - 1) == 0 or skipped % 1000 == 0:
+            log.warning("skipping " + why + " (%d skipped so far)", *args, skipped)
+
     async def _on_msg(msg: Msg) -> None:
+        if len(msg.data) > MAX_ANNOUNCEMENT_BYTES:
+            skip("oversized announcement on %s: %d bytes (limit %d)", msg.subject,
+                 len(msg.data), MAX_ANNOUNCEMENT_BYTES)
+            return
         try:
             ann = Announcement.model_validate_json(msg.data)
         except ValueError as e:
-            log.warning("skipping malformed announcement on %s: %s (%r)", msg.subject,
-                        str(e).splitlines()[0], msg.data[:200])
+            skip("malformed announcement on %s: %s (%r)", msg.subject, str(e).splitlines()[0],
+                 msg.data[:200])
             return
         if ann.run != run:
-            log.warning("skipping announcement for run %r on %s", ann.run, msg.subject)
+            skip("announcement for run %r on %s", ann.run, msg.subject)
             return
         try:
             res = callback(ann)

@@ -21,7 +21,13 @@ MANIFEST = "manifest.json"
 PULLED_MANIFEST = "stitch-manifest.json"
 KEY_ID_PATTERN = r"^[0-9a-f]{16}$"  # stitch_core.versions.trust.key_id
 MAX_VERSION = 2**53 - 1  # the largest version number (exact as a JSON number everywhere)
-SIGNATURE_MAX = 128  # base64 of a 64-byte ed25519 signature is 88 characters
+SIGNATURE_MAX = 128
+# size limits of what readers take from a board or NATS (refused before being read whole):
+# a manifest lists every tensor (~150 bytes each: 64 MiB is ~400k tensors), `latest` and an
+# announcement are a few hundred bytes
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_LATEST_BYTES = 64 << 10
+MAX_ANNOUNCEMENT_BYTES = 64 << 10  # base64 of a 64-byte ed25519 signature is 88 characters
 
 
 def check_run(run: str) -> str:

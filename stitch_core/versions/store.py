@@ -15,7 +15,14 @@ from typing import Literal
 from pydantic import ValidationError
 
 from stitch_core.versions.board.base import Board, BoardError, NotFound
-from stitch_core.versions.manifest import Latest, Manifest, ObjectRef, manifest_key, version_dir
+from stitch_core.versions.manifest import (
+    MAX_MANIFEST_BYTES,
+    Latest,
+    Manifest,
+    ObjectRef,
+    manifest_key,
+    version_dir,
+)
 from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
 
 log = logging.getLogger(__name__)
@@ -83,7 +90,7 @@ async def read_manifest(board: Board, run: str, version: int,
                         trust: TrustSet | None = None) -> Manifest:
     """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced,
     RefusedVersion if a trust set is given and does not accept its signature."""
-    raw = await board.get(manifest_key(run, version))
+    raw = await board.get(manifest_key(run, version), MAX_MANIFEST_BYTES)
     try:
         m = Manifest.model_validate_json(raw)
     except ValidationError as e:

@@ -32,6 +32,17 @@ class NotFound(BoardError):
 
 
 
+class TooLarge(BoardError):
+    """An object is larger than the reader's limit for it (a manifest, `latest`): refused
+    without reading it whole."""
+
+
+def too_large(key: str, size: int | None, limit: int) -> TooLarge:
+    """The error for `key` of `size` bytes (None: unknown, over `limit` so far)."""
+    got = f"{size:,} bytes" if size is not None else "more"
+    return TooLarge(f"{key} is {got}, over the {limit:,}-byte limit for it")
+
+
 class LatestConflict(BoardError):
     """`latest` was not what the writer expected (a race) or the move would rewind it."""
 
@@ -55,8 +66,9 @@ class Board(ABC):
     readonly: bool = False
 
     @abstractmethod
-    async def get(self, key: str) -> bytes:
-        """Whole object; raises NotFound."""
+    async def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """Whole object; raises NotFound, or TooLarge if it is over `max_bytes` (checked before
+        it is read whole where the backend knows the size)."""
 
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         """Stream an object to `dest` (written atomically). Backends may resume partial files."""

@@ -28,8 +28,9 @@ from stitch_core.versions.board.base import (
     open_part,
     part_path,
     part_size,
+    too_large,
 )
-from stitch_core.versions.manifest import Latest, latest_key
+from stitch_core.versions.manifest import MAX_LATEST_BYTES, Latest, latest_key
 
 T = TypeVar("T")
 NO_CACHE = {"Cache-Control": "no-cache", "Pragma": "no-cache"}
@@ -95,18 +96,32 @@ class HttpBoard(Board):
                 await asyncio.sleep(self._delay(failures))
         raise AssertionError("unreachable")
 
-    async def _get(self, key: str, headers: dict[str, str] | None = None) -> bytes:
+    async def _get(self, key: str, headers: dict[str, str] | None = None,
+                   max_bytes: int | None = None) -> bytes:
         url = self._url(key)
 
         async def once() -> bytes:
-            r = await self._http().get(url, headers=headers)
-            self._check(r, f"GET {url}")
-            return r.content
+            if max_bytes is None:
+                r = await self._http().get(url, headers=headers)
+                self._check(r, f"GET {url}")
+                return r.content
+            async with self._http().stream("GET", url, headers=headers) as r:
+                self._check(r, f"GET {url}")
+                declared = r.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise too_large(key, int(declared), max_bytes)
+                parts, got = [], 0
+                async for b in r.aiter_bytes():
+                    got += len(b)
+                    if got > max_bytes:
+                        raise too_large(key, None, max_bytes)
+                    parts.append(b)
+                return b"".join(parts)
 
         return await self._retrying(f"GET {url}", once)
 
-    async def get(self, key: str) -> bytes:
-        return await self._get(key)
+    async def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        return await self._get(key, max_bytes=max_bytes)
 
     async def exists(self, key: str) -> bool:
         url = self._url(key)
@@ -124,7 +139,7 @@ class HttpBoard(Board):
     async def read_latest(self, run: str) -> Latest | None:
         key = latest_key(run)
         try:
-            data = await self._get(key, headers=NO_CACHE)
+            data = await self._get(key, headers=NO_CACHE, max_bytes=MAX_LATEST_BYTES)
         except NotFound:
             return None
         try:

@@ -19,8 +19,9 @@ from stitch_core.versions.board.base import (
     check_key,
     open_part,
     part_path,
+    too_large,
 )
-from stitch_core.versions.manifest import Latest, check_run, latest_key
+from stitch_core.versions.manifest import MAX_LATEST_BYTES, Latest, check_run, latest_key
 
 
 def _fsync_dir(d: Path) -> None:
@@ -55,9 +56,15 @@ class LocalBoard(Board):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, max_bytes: int | None = None) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                if max_bytes is not None:
+                    size = os.fstat(f.fileno()).st_size
+                    if size > max_bytes:
+                        raise too_large(key, size, max_bytes)
+                    return f.read(max_bytes + 1)
+                return f.read()
         except FileNotFoundError:
             raise NotFound(f"{key} not on board {self.url}") from None
 
@@ -130,8 +137,8 @@ class LocalBoard(Board):
 
     async def read_latest(self, run: str) -> Latest | None:
         try:
-            return Latest.model_validate_json(self._path(latest_key(run)).read_bytes())
-        except FileNotFoundError:
+            return Latest.model_validate_json(await self.get(latest_key(run), MAX_LATEST_BYTES))
+        except NotFound:
             return None
 
     def _move(self, run: str, expected: int | None, new: Latest) -> None:

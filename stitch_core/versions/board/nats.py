@@ -51,8 +51,9 @@ from stitch_core.versions.board.base import (
     check_key,
     open_part,
     part_path,
+    too_large,
 )
-from stitch_core.versions.manifest import MANIFEST, Latest, check_run
+from stitch_core.versions.manifest import MANIFEST, MAX_LATEST_BYTES, Latest, check_run
 
 log = logging.getLogger(__name__)
 
@@ -304,14 +305,23 @@ class NatsBoard(Board):
             raise BoardError(f"{key} on {self.url}: got {got} bytes with sha256 "
                              f"{h.hexdigest()}, metadata says {size} bytes, {info.digest}")
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, max_bytes: int | None = None) -> bytes:
         check_key(key)
         parts: list[bytes] = []
+        got = 0
 
         async def sink(data: bytes) -> None:
+            nonlocal got
+            got += len(data)
+            if max_bytes is not None and got > max_bytes:
+                raise too_large(key, None, max_bytes)
             parts.append(data)
 
         with self._errors(f"get {key}"):
+            if max_bytes is not None:
+                info = await self._info(key)
+                if info is not None and (info.size or 0) > max_bytes:
+                    raise too_large(key, info.size, max_bytes)
             await self._read(key, sink)
         return b"".join(parts)
 
@@ -467,6 +477,8 @@ class NatsBoard(Board):
             entry = await kv.get(check_run(run))
         except nats.js.errors.KeyNotFoundError:
             return None, 0
+        if len(entry.value or b"") > MAX_LATEST_BYTES:
+            raise too_large(f"latest of {run}", len(entry.value or b""), MAX_LATEST_BYTES)
         try:
             return Latest.model_validate_json(entry.value or b""), entry.revision or 0
         except ValueError as e:

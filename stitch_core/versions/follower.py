@@ -28,6 +28,7 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply as apply_patch
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board import Board, open_board
+from stitch_core.versions.board.base import NotFound
 from stitch_core.versions.cache import DEFAULT_MAX_BYTES, CacheUse, prune
 from stitch_core.versions.manifest import Announcement, Heartbeat, Manifest, check_run
 from stitch_core.versions.materialize import default_cache_dir
@@ -35,6 +36,7 @@ from stitch_core.versions.state import engine_state, lag
 from stitch_core.versions.store import (
     RefusedVersion,
     Step,
+    VersionError,
     fetch_object,
     fetch_patch,
     plan,
@@ -46,6 +48,8 @@ from stitch_core.versions.trust import TrustSet
 log = logging.getLogger("stitch.follower")
 ApplyFn = Callable[[Step, Path], Awaitable[None]]
 REFUSED_KEPT = 16  # refused versions remembered (newest)
+BAD_AFTER = 2  # a version whose patch fails this many times (bad bytes, missing) is routed around
+AVOID_TTL = 300.0  # seconds before a routed-around patch is tried again (it may be repaired)
 HINT_SLACK = 1024  # an announcement this far beyond the newest known version is suspicious
 MAX_HINTS = 4096  # announced versions remembered (for announce -> current timings), at most
 Health = Literal["ok", "degraded", "dead"]
@@ -103,6 +107,8 @@ class Follower:
         # version is accepted later (an operator replaced it with a signed one)
         self.on_refused = on_refused
         self.refused: dict[int, str] = {}  # refused versions -> why (newest REFUSED_KEPT)
+        self._failures: dict[int, int] = {}  # version -> failed fetches/applies of its patch
+        self.avoid: dict[int, float] = {}  # versions routed around -> since (monotonic)
         self.error_since: float | None = None  # wall time of the first error of a failing run
         self.dead: str | None = None  # why the follow loop ended
         self.applying = False
@@ -167,6 +173,7 @@ class Follower:
                 "last_apply_seconds": self.last_apply_seconds,
                 "patch_bytes_total": self.patch_bytes_total,
                 "trusted_keys": self.trust.ids if self.trust else None,
+                "avoiding": sorted(self.avoid),
                 "refused": self._last_refusal()}
 
     def _last_refusal(self) -> dict | None:
@@ -337,11 +344,19 @@ class Follower:
         async with self._lock:
             if self.version is not None and self.version >= target:
                 return
+            now_m = time.monotonic()
+            for v in [v for v, t in self.avoid.items() if now_m - t > AVOID_TTL]:
+                del self.avoid[v]  # try it again: an operator may have repaired it
+                self._failures.pop(v, None)
             steps = await plan(self.board, self.run, self.version, target, self.max_chain,
-                               trust=self.trust)
+                               trust=self.trust, avoid=frozenset(self.avoid))
             for step in steps:
                 t_fetch = time.perf_counter()
-                step = await self._fetch(step)
+                try:
+                    step = await self._fetch(step)
+                except Exception as e:
+                    self._failed(step, e)
+                    raise
                 path = step.files[0]
                 self.applying = True
                 self._beat.set()
@@ -354,6 +369,7 @@ class Follower:
                               self.version)
                     for p in step.patch_parts:
                         p.unlink(missing_ok=True)  # refetch next time
+                    self._failed(step, e)
                     raise
                 finally:
                     self.applying = False
@@ -400,6 +416,17 @@ class Follower:
                         "cap of %d: the rest is in use", self.id, self.cache, r.total,
                         r.max_bytes)
         self._over_cap_logged = r.over_cap
+
+    def _failed(self, step: Step, err: BaseException) -> None:
+        """Count a failure of `step` that is the object's fault (missing, bytes that do not
+        match, a patch the target refuses); at BAD_AFTER the version is routed around."""
+        if step.kind != "patch" or not isinstance(err, NotFound | VersionError | ValueError):
+            return  # an outage, a rank that failed or hung: not the object's fault
+        n = self._failures[step.version] = self._failures.get(step.version, 0) + 1
+        if n >= BAD_AFTER and step.version not in self.avoid:
+            self.avoid[step.version] = time.monotonic()
+            log.warning("follower %s: the patch of %s v%d failed %d times (%s); routing around "
+                        "it through a later snapshot", self.id, self.run, step.version, n, err)
 
     async def _fetch(self, step: Step) -> Step:
         await asyncio.to_thread(self._cache_use.begin, step.version)  # in use until applied

@@ -183,13 +183,16 @@ class Step:
 
 async def plan(board: Board, run: str, have: int | None, target: int,
                max_chain: int = 64, *, fallback_ok: bool = True,
-               trust: TrustSet | None = None) -> list[Step]:
+               trust: TrustSet | None = None, avoid: frozenset[int] = frozenset()
+               ) -> list[Step]:
     """Cheapest known path from `have` (None: nothing) to `target`.
 
     Walk parents back from target; every version with a patch object is a patch step. Stop at
     `have` (a chain), or at a snapshot when the chain would be longer than max_chain, broken
     (missing or malformed manifest), or there is nothing held. Raises VersionError if no path.
-    With a trust set every manifest on the path must be signed by one of its keys.
+    With a trust set every manifest on the path must be signed by one of its keys. `avoid`:
+    versions whose patch keeps failing (a persistently bad object): the path goes through a
+    snapshot above them instead, or VersionError if there is none up to `target`.
     """
     steps: list[Step] = []
     v: int | None = target
@@ -204,8 +207,15 @@ async def plan(board: Board, run: str, have: int | None, target: int,
             break
         if m.kind == "snapshot":
             fallback = [Step("snapshot", m), *reversed(steps)]
-            if have is None or m.patch is None or len(steps) >= max_chain:
+            if have is None or m.patch is None or len(steps) >= max_chain or v in avoid:
                 return fallback
+        if v in avoid:  # its patch keeps failing: only a later snapshot gets past it
+            if fallback is not None:
+                log.warning("v%s of %s: its patch keeps failing; going through snapshot v%s",
+                            v, run, fallback[0].version)
+                return fallback
+            raise VersionError(f"the patch of {run} v{v} keeps failing and no snapshot after it "
+                               f"(up to v{target}) routes around it")
         if m.patch is None:
             break
         steps.append(Step("patch", m))

@@ -219,8 +219,11 @@ class Publisher(PublisherBase):
         return await self.board.read_latest(self.run)
 
     async def _first_free(self, version: int) -> int:
-        """The first version number from `version` that no failed publish left objects in."""
-        while await self.taken(version, ("manifest.json", "patch.stp", "model.safetensors")):
+        """The first version number from `version` that no failed publish left objects in (each
+        version's first object is one of these: the patch, a single shard or the index of a
+        sharded snapshot, uploaded before its shards; see `_write_snapshot`)."""
+        while await self.taken(version, ("manifest.json", "patch.stp", "model.safetensors",
+                                         "model.safetensors.index.json")):
             log.warning("%s v%d holds objects of a failed publish: skipping it", self.run, version)
             version += 1
         return version
@@ -309,4 +312,6 @@ class Publisher(PublisherBase):
             size += nb
         files = self.write_snapshot_files(zip(shard_names(len(shards)), shards, strict=True),
                                           d, version)
-        return list(files.values())
+        # the index (a name `_first_free` knows) first: a publish killed after the first object
+        # of a sharded snapshot still marks the number as taken
+        return sorted(files.values(), key=lambda p: p.name != "model.safetensors.index.json")

@@ -207,16 +207,42 @@ def _stop_all() -> None:
             server.stop(timeout=3)
 
 
+# `stitch up`'s server configuration: JetStream fsyncs every write before it acknowledges it
+# (the server's default syncs every 2 minutes, so an acknowledged write, and with it a version
+# or a `latest` move on a NATS board, could be lost to a power loss; docs/versions.md#durability)
+DEV_CONFIG = """\
+# written by `stitch up` (rewritten at every start): see docs/versions.md#durability
+jetstream {
+  sync_interval: always
+}
+"""
+
+
+def dev_server(board_dir: str | os.PathLike, port: int | None = 4222, *,
+               host: str = "127.0.0.1", extra_args: list[str] | None = None) -> NatsServer:
+    """The (not yet started) server of `stitch up` for `board_dir`: data in `<board_dir>/.nats`
+    (a name no board key can take), configured by `<board_dir>/.nats/stitch-up.conf`
+    (`DEV_CONFIG`: JetStream with `sync_interval: always`)."""
+    store = Path(board_dir).expanduser().resolve() / ".nats"
+    store.mkdir(parents=True, exist_ok=True)
+    conf = store / "stitch-up.conf"
+    tmp = conf.with_name(conf.name + ".tmp")
+    tmp.write_text(DEV_CONFIG)
+    tmp.replace(conf)
+    return NatsServer(store, port=port, host=host, config=conf, extra_args=extra_args)
+
+
 def run_dev_stack(board_dir: str | os.PathLike, port: int | None = 4222, *,
                   host: str = "127.0.0.1", bucket: str = "stitch") -> int:
-    """`stitch up`: a JetStream NATS server plus a local board directory, until Ctrl-C.
+    """`stitch up`: a JetStream NATS server (`dev_server`: every write fsynced before it is
+    acknowledged) plus a local board directory, until Ctrl-C.
 
     The server stores its data in `<board_dir>/.nats` (a name no board key can take).
     Returns a process exit code: 0 after Ctrl-C/SIGTERM, 1 if the server died on its own.
     """
     board = Path(board_dir).expanduser().resolve()
     board.mkdir(parents=True, exist_ok=True)
-    server = NatsServer(board / ".nats", port=port, host=host)
+    server = dev_server(board, port=port, host=host)
 
     def _term(signum, frame):  # SIGTERM: stop the server too instead of orphaning it
         raise KeyboardInterrupt
@@ -231,6 +257,8 @@ def run_dev_stack(board_dir: str | os.PathLike, port: int | None = 4222, *,
         print(f"board (NATS)     : {server.url}/{bucket}   (alternative: object store on NATS)",
               flush=True)
         print(f"server log       : {server.log_path}", flush=True)
+        print("durability       : JetStream sync_interval always (fsync before every ack)",
+              flush=True)
         print("Ctrl-C to stop.", flush=True)
         while server.running:
             time.sleep(0.5)

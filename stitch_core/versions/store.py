@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -57,22 +59,42 @@ def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
                      role=role)
 
 
+FAILPOINT_ENV = "STITCH_FAILPOINT"
+
+
+def failpoint(name: str) -> None:
+    """A test facility: SIGKILL this process at the point `name` of a publish if
+    $STITCH_FAILPOINT is `name` (unset, as in production: one environment lookup, nothing else).
+    The points of `write_version`: `publish:after-object` (the first object stored, the others
+    not), `publish:after-objects`, `publish:after-manifest` and `publish:after-latest`
+    (tests/test_publish_crash.py kills a real publisher at each)."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        log.warning("failpoint %s: killing this process (pid %d)", name, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 async def write_version(board: Board, manifest: Manifest, files: dict[str, Path],
                         expected_latest: int | None, signer: SigningKey | None = None) -> None:
-    """Upload objects, then the manifest, then CAS `latest` (objects durable before it moves).
+    """Upload objects, then the manifest, then CAS `latest` (each `put` is durable when it
+    returns, so everything a version holds is stored before `latest` names it; a crash at any
+    point before the move leaves `latest` at the previous version, see docs/versions.md).
     With `signer`, the manifest (unless already signed by it) and `latest` are signed."""
     if signer is not None and manifest.signed_by != signer.id:
         manifest = signer.sign(manifest, "manifest")
     vdir = version_dir(manifest.run, manifest.version)
     for ref in manifest.objects:
         await board.put(f"{vdir}/{ref.path}", files[ref.path])
+        failpoint("publish:after-object")
+    failpoint("publish:after-objects")
     await board.put(manifest_key(manifest.run, manifest.version),
                     manifest.model_dump_json(indent=1).encode())
+    failpoint("publish:after-manifest")
     latest = Latest(run=manifest.run, version=manifest.version, kind=manifest.kind,
                     updated=now())
     if signer is not None:
         latest = signer.sign(latest, "latest")
     await board.move_latest(manifest.run, expected_latest, latest)
+    failpoint("publish:after-latest")
 
 
 def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:

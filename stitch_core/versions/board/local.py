@@ -1,5 +1,11 @@
-"""A board in a local directory: create-only object writes (private temp file, fsync, link),
-flock-guarded CAS of `latest`."""
+"""A board in a local directory: create-only object writes (private temp file, fsync, link,
+directory fsync), flock-guarded CAS of `latest` (temp file, fsync, rename, directory fsync).
+
+Durability: a `put` returns once the object's data and its directory entry are on disk (and the
+entries of any directory it created, up to the board root), so everything a version holds is
+durable before `move_latest` writes the pointer, which is itself durable when it returns. On a
+power loss the board therefore holds `latest` as of its last completed move and every object it
+names (with a file system that honours fsync: a local one, not a network mount that lies)."""
 
 from __future__ import annotations
 
@@ -25,11 +31,37 @@ from stitch_core.versions.manifest import MAX_LATEST_BYTES, Latest, check_run, l
 
 
 def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
+    """fsync a directory: the entries made in it (links, renames, new directories) are durable."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(d: Path) -> None:
+    """`mkdir -p d`, durably: every directory it creates has its entry fsynced in its parent
+    (a version directory, the run's `versions/`, the run itself), so the objects and `latest`
+    linked into them later cannot vanish with a directory that was never written out."""
+    missing: list[Path] = []
+    while not d.is_dir():
+        missing.append(d)
+        d = d.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir()
+        except FileExistsError:  # made meanwhile by another writer (fsynced again: cheap)
+            if not p.is_dir():
+                raise
+        _fsync_dir(p.parent)
 
 
 def _same_content(path: Path, src: bytes | Path) -> bool:
@@ -83,15 +115,18 @@ class LocalBoard(Board):
 
     def _put(self, key: str, src: bytes | Path) -> None:
         """Create-only: the object is written to a private temporary file, fsynced, then linked
-        into place, which fails atomically if the key exists. A second writer of the same key
+        into place, which fails atomically if the key exists, and its directory fsynced (new
+        directories on the way are made durably, `_makedirs`). A second writer of the same key
         with other content gets a BoardError, never a silent replace (the same bytes again are
         accepted: a retried upload)."""
         path = self._path(key)
         if path.exists():
             if _same_content(path, src):
+                _fsync_file(path)  # a retry after a crash: durable before we say so
+                _fsync_dir(path.parent)
                 return
             raise BoardError(f"{key} already exists with other content (versions are immutable)")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _makedirs(path.parent)
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         tmp = Path(name)
         try:
@@ -107,6 +142,8 @@ class LocalBoard(Board):
                 os.link(tmp, path)
             except FileExistsError:
                 if _same_content(path, src):
+                    _fsync_file(path)
+                    _fsync_dir(path.parent)
                     return
                 raise BoardError(f"{key} already exists with other content: another writer "
                                  "stored it first (versions are immutable)") from None
@@ -143,7 +180,7 @@ class LocalBoard(Board):
 
     def _move(self, run: str, expected: int | None, new: Latest) -> None:
         path = self._path(latest_key(run))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _makedirs(path.parent)
         with open(path.parent / ".latest.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             cur = path.read_bytes() if path.exists() else None

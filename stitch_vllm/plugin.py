@@ -10,12 +10,47 @@ application start-up, where the engine client exists (a plugin runs before it do
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 log = logging.getLogger("stitch.vllm")
 
 
+def log_to_engine_log() -> None:
+    """Stitch's log lines in the engine's log: vLLM configures only its own ``vllm`` logger (no
+    root handler, and its handler's level is VLLM_LOGGING_LEVEL), so without this Stitch's INFO
+    lines never reach the server log and its warnings come out unformatted. Adds one handler on
+    the ``stitch`` logger writing to vLLM's stream in vLLM's format, at STITCH_LOG_LEVEL
+    (default INFO). Idempotent (vLLM calls plugins several times per process)."""
+    stitch = logging.getLogger("stitch")
+    if any(getattr(h, "_stitch_engine_log", False) for h in stitch.handlers):
+        return
+    source = next((h for h in logging.getLogger("vllm").handlers
+                   if isinstance(h, logging.StreamHandler)), None)
+    handler = logging.StreamHandler(source.stream if source is not None else sys.stderr)
+    if source is not None and source.formatter is not None:
+        handler.setFormatter(source.formatter)
+    handler._stitch_engine_log = True  # type: ignore[attr-defined]
+    level = os.environ.get("STITCH_LOG_LEVEL", "INFO").upper()
+    try:
+        handler.setLevel(level)
+        stitch.setLevel(level)
+    except ValueError:  # an unknown level name: say so, keep INFO
+        handler.setLevel(logging.INFO)
+        stitch.setLevel(logging.INFO)
+        log.warning("stitch: STITCH_LOG_LEVEL=%r is not a log level; using INFO", level)
+    stitch.addHandler(handler)
+
+
 def register() -> None:
-    """On vLLM's CPU backend, install the weight keeper and AMX set-up; elsewhere nothing."""
+    """Stitch's log lines into vLLM's log; on vLLM's CPU backend, install the weight keeper and
+    AMX set-up (on GPUs nothing more)."""
+    try:
+        import vllm.logger  # noqa: F401 - configures the "vllm" logger whose stream we share
+
+        log_to_engine_log()
+    except Exception as e:  # pragma: no cover - vLLM's logging changed: keep the defaults
+        log.warning("stitch: could not join vLLM's log (%s)", e)
     try:
         from vllm.platforms import current_platform
     except Exception as e:  # pragma: no cover - vLLM missing or broken

@@ -106,5 +106,9 @@ def refuses_forgeries_then_follows_signed(server: ServerProcess, trainer: Traine
     # the operator publishes the real v + 1, signed: followed, proven
     _write(board_dir, run, signed, good_patch, signer.sign(unsigned_latest, "latest"))
     st = server.wait_version(v + 1, timeout=120)
+    deadline = time.monotonic() + 30  # the follower's own error clears once its sync returns
+    while st["follower"]["health"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        st = server.status()
     assert st["follower"]["refused"] is None and st["follower"]["health"] == "ok", st
     assert server.http.post("/stitch/verify").json()["ok"] is True

@@ -4,7 +4,10 @@
 * ``stitch_lag_versions{run}``       gauge: latest published minus serving;
 * ``stitch_apply_seconds{run}``      histogram: duration of each committed apply;
 * ``stitch_patch_bytes_total{run}``  counter: bytes of patches applied;
-* ``stitch_not_ready_total{run}``    counter: requests refused with HTTP 409.
+* ``stitch_not_ready_total{run}``    counter: requests refused with HTTP 409;
+* ``stitch_follower_health{run}``    gauge: the follower's health, 0 ok, 1 degraded, 2 dead;
+* ``stitch_serving{run}``            gauge: 1 while a proven version is served, else 0;
+* ``stitch_nats_connected{run}``     gauge: 1 / 0 (absent without NATS).
 
 Without ``prometheus_client`` every method is a no-op. Collectors already registered under these
 names in the registry are reused, so several `Metrics` on one registry are fine (tests can also pass
@@ -29,6 +32,7 @@ log = logging.getLogger("stitch.metrics")
 
 AVAILABLE = _prom is not None
 LABELS = ("run",)
+HEALTH_CODES = {"ok": 0, "degraded": 1, "dead": 2}
 APPLY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -89,6 +93,15 @@ class Metrics:
                                        "Bytes of weight patches applied")
         self._not_ready = _collector(registry, _prom.Counter, "stitch_not_ready_total",
                                      "Requests refused with HTTP 409 (version not servable)")
+        self._health = _collector(registry, _prom.Gauge, "stitch_follower_health",
+                                  "Follower health: 0 ok, 1 degraded, 2 dead",
+                                  multiprocess_mode="mostrecent")
+        self._serving = _collector(registry, _prom.Gauge, "stitch_serving",
+                                   "1 while the engine serves a proven version, else 0",
+                                   multiprocess_mode="mostrecent")
+        self._nats = _collector(registry, _prom.Gauge, "stitch_nats_connected",
+                                "1 while the follower's NATS subscription is up, else 0",
+                                multiprocess_mode="mostrecent")
 
     @property
     def _run(self) -> str:
@@ -108,6 +121,16 @@ class Metrics:
         self._apply.labels(self._run).observe(max(0.0, seconds))
         if patch_bytes:
             self._patch_bytes.labels(self._run).inc(patch_bytes)
+
+    def set_health(self, health: str, serving: bool, nats_connected: bool | None) -> None:
+        """The follower's health (ok / degraded / dead), whether a proven version is served,
+        and NATS (None: not configured, left unset)."""
+        if not self.enabled:
+            return
+        self._health.labels(self._run).set(HEALTH_CODES.get(health, 2))
+        self._serving.labels(self._run).set(1 if serving else 0)
+        if nats_connected is not None:
+            self._nats.labels(self._run).set(1 if nats_connected else 0)
 
     def not_ready(self) -> None:
         if not self.enabled:

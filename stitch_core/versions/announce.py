@@ -49,7 +49,7 @@ from stitch_core.versions.manifest import (
     check_run,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.announce")
 
 VERSIONS_MAX_AGE = 7 * 24 * 3600.0  # seconds
 VERSIONS_MAX_MSGS = 100_000

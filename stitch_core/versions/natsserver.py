@@ -26,7 +26,7 @@ from pathlib import Path
 
 from stitch_core.errors import StitchError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.natsserver")
 
 ENV_BINARY = "STITCH_NATS_SERVER"
 _LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")

@@ -27,7 +27,7 @@ from stitch_core.versions.manifest import (
 )
 from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.store")
 
 
 class VersionError(BoardError):

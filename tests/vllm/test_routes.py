@@ -172,6 +172,10 @@ def test_verify_needs_the_key_and_is_rate_limited(never):
     assert r.status_code == 401
     assert anon.get("/stitch/status").status_code == 503  # read-only, open
     anon.close()
+    deadline = time.monotonic() + 300  # the start-up check done (no version: plain files)
+    while (never.status().get("fingerprint_check") or {}).get("ok") is not True:
+        assert time.monotonic() < deadline, never.status()
+        time.sleep(0.5)
     r = never.http.post("/stitch/verify")  # past the key: the ranks' weights are checked
     # (the files' own fingerprints: every tensor a rank holds is proven, none is missing)
     assert r.status_code == 200 and r.json()["ok"] is True and r.json()["tensors"] > 0, r.text

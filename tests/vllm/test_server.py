@@ -134,6 +134,15 @@ def test_protocol_pinned_min_wait_and_409(stack):
     for name in ("stitch_lag_versions", "stitch_apply_seconds", "stitch_patch_bytes_total",
                  "stitch_not_ready_total"):
         assert name in metrics, name
+    # health, as /stitch/status says it (reported every second)
+    deadline = time.monotonic() + 10
+    while f'stitch_follower_health{{run="{RUN}"}} 0.0' not in metrics and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = server.http.get("/metrics").text
+    assert f'stitch_follower_health{{run="{RUN}"}} 0.0' in metrics, metrics[-3000:]
+    assert f'stitch_serving{{run="{RUN}"}} 1.0' in metrics
+    assert f'stitch_nats_connected{{run="{RUN}"}} 1.0' in metrics
 
 
 def _stream(server, headers, out: dict, key: str, started: threading.Event):
@@ -243,3 +252,11 @@ def test_every_generating_route_is_pinned_and_stamped(stack):
     assert anon.post("/stitch/verify").status_code == 401
     assert server.http.post("/stitch/verify").json()["ok"] is True
     anon.close()
+
+
+def test_stitch_log_lines_are_in_the_engine_log(stack):
+    """Stitch's INFO lines reach the server log, and an engine without STITCH_TRUST says once
+    that it trusts the board."""
+    log = stack["server"].tail(100000)
+    assert log.count("STITCH_TRUST is not set: this engine trusts the board") == 1, log[-3000:]
+    assert "verified on 1 rank(s)" in log, log[-3000:]

@@ -55,7 +55,7 @@ from stitch_core.versions.board.base import (
 )
 from stitch_core.versions.manifest import MANIFEST, MAX_LATEST_BYTES, Latest, check_run
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("stitch.nats")
 
 DEFAULT_BUCKET = "stitch"
 CHUNK = 512 * 1024  # bytes per chunk message (fewer, larger messages: faster in Python)

@@ -191,7 +191,7 @@ def worker(work: Path, rank: int) -> None:
         if rank == 0:
             torch.save(full, work / f"full-{m.version}.pt")
 
-    pub = FSDPPublisher(board, RUN, "bf16")
+    pub = FSDPPublisher(board, RUN, "bf16", signing_key=work / "key")  # rank 0 signs
     m0 = pub.start_from(work / "ckpt", step=0)
     report["start"] = m0.version
     report["failed"] = []
@@ -216,7 +216,7 @@ def worker(work: Path, rank: int) -> None:
     pub.close()
     # a restarted publisher continues from `latest` (materialised by every rank), skipping v5
     # where rank 0's part of the failed publish lies
-    with FSDPPublisher(board, RUN, "bf16") as pub2:
+    with FSDPPublisher(board, RUN, "bf16", signing_key=work / "key") as pub2:
         report["resumed_from"] = pub2.start_from().version
         train(STEPS)
         publish(pub2, STEPS)
@@ -248,7 +248,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    from stitch_core.versions.trust import new_key
+
     work = tmp_path_factory.mktemp("fsdp")
+    new_key(work / "key")
     _launch(work)
     reports = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return work, reports
@@ -395,3 +398,26 @@ def test_fp8_view_is_refused():
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), int(sys.argv[2]))
+
+
+def test_every_sharded_version_and_latest_are_signed_once(trained):
+    """One signature per version, made on rank 0 where the manifest is assembled (snapshot and
+    multi-part patches alike), and on `latest`; a trust set accepts them all."""
+    from stitch_core.versions.board import LocalBoard
+    from stitch_core.versions.store import read_latest, read_manifest
+    from stitch_core.versions.trust import SigningKey, TrustSet
+
+    work, _ = trained
+    trust = TrustSet.parse([f"{work / 'key'}.pub"])
+    kid = SigningKey.load(work / "key").id
+
+    async def check():
+        board = LocalBoard(work / "board")
+        versions = await board.list_versions(RUN)
+        ms = [await read_manifest(board, RUN, v, trust) for v in versions]
+        latest = await read_latest(board, RUN, trust)
+        return ms, latest
+
+    ms, latest = asyncio.run(check())
+    assert {m.signed_by for m in ms} == {kid} and latest.signed_by == kid
+    assert any(len(m.patches) == WORLD for m in ms)  # multi-part patches among them

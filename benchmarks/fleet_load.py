@@ -51,8 +51,11 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------- the board server process
 
-def board_main(root: str, port: int) -> None:
-    from stitch_core.versions.board.serve import BoardHandler, serve
+def board_main(root: str, port: int, backlog: int | None) -> None:
+    from stitch_core.versions.board.serve import BoardHandler, BoardServer, serve
+
+    if backlog:  # --board-backlog: the listen queue of the server's socket
+        BoardServer.request_queue_size = backlog
 
     stats = {"requests": 0, "bytes": 0, "by_kind": {}}
     lock = threading.Lock()
@@ -93,7 +96,7 @@ def board_main(root: str, port: int) -> None:
             super().send_header(keyword, value)
 
     server = serve(root, "127.0.0.1", port, handler=Counting)
-    print(f"port {server.server_port}", flush=True)
+    print(f"port {server.server_port} backlog {server.request_queue_size}", flush=True)
     server.serve_forever()
 
 
@@ -103,6 +106,17 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of process `pid` (all its threads), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def overflows() -> int:
+    """The kernel's count of connections dropped because a listen queue was full (TcpExt
+    ListenOverflows, whole machine)."""
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            d = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(d.get("ListenOverflows", 0))
+    return 0
 
 
 def self_cpu() -> float:
@@ -152,11 +166,14 @@ async def run(a: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(1)
     n_params = sum(p.numel() for p in params.values())
 
-    board = subprocess.Popen([sys.executable, __file__, "--_board", str(board_dir)],
+    board = subprocess.Popen([sys.executable, __file__, "--_board", str(board_dir),
+                              str(a.board_backlog or 0)],
                              stdout=subprocess.PIPE, text=True)
     assert board.stdout is not None
-    port = int(board.stdout.readline().split()[1])
+    first = board.stdout.readline().split()
+    port, backlog = int(first[1]), int(first[3])
     url = f"http://127.0.0.1:{port}"
+    overflows0 = overflows()
     ns = NatsServer(work / "js").start()
     assert ns.pid is not None
     followers: list[Follower] = []
@@ -246,7 +263,8 @@ async def run(a: argparse.Namespace) -> dict:
         return {
             "followers": a.followers, "versions": a.versions, "params": n_params,
             "model_bytes": sum(t.numel() * t.element_size() for t in final.values()),
-            "snapshot_bytes": m0.full_bytes, "start_s": start_s, "nats_connected": connected,
+            "snapshot_bytes": m0.full_bytes, "start_s": start_s, "board_backlog": backlog,
+            "listen_overflows": overflows() - overflows0, "nats_connected": connected,
             "rows": rows, "followers_lost_versions": lost, "bit_exact": exact,
             "p50_ms": 1e3 * pct(all_lat, 0.5), "p99_ms": 1e3 * pct(all_lat, 0.99),
             "max_ms": 1e3 * max(all_lat) if all_lat else float("nan"),
@@ -278,7 +296,9 @@ def report(r: dict, argv: list[str]) -> str:
            f"one process (one event loop), {r['params'] / 1e6:.2f}M params "
            f"({r['model_bytes'] / 1e6:.1f} MB bf16 per copy), {r['versions']} versions; all "
            f"followers loaded the v0 snapshot in {r['start_s']:.1f} s; NATS connected: "
-           f"{r['nats_connected']}/{r['followers']}", "",
+           f"{r['nats_connected']}/{r['followers']}; board listen backlog "
+           f"{r['board_backlog']}, connections dropped on a full listen queue (machine-wide "
+           f"TcpExtListenOverflows) {r['listen_overflows']}", "",
            "| version | changed % | patch bytes | all current s | announce→current p50 ms | "
            "p99 ms | max ms | by poll | board requests | board MB | nats-server CPU s | "
            "board CPU s | followers' CPU s |", "|" + "---|" * 13]
@@ -307,8 +327,8 @@ def report(r: dict, argv: list[str]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) >= 3 and sys.argv[1] == "--_board":
-        board_main(sys.argv[2], 0)
+    if len(sys.argv) >= 4 and sys.argv[1] == "--_board":
+        board_main(sys.argv[2], 0, int(sys.argv[3]) or None)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--followers", type=int, default=100)
@@ -317,6 +337,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--gap", type=float, default=1.0, help="seconds between versions")
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--board-backlog", type=int, default=0,
+                    help="listen backlog of the board server (0: the server's own)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     r = asyncio.run(run(a))

@@ -28,6 +28,10 @@ class BoardServer(ThreadingHTTPServer):
     """The threaded HTTP server of `stitch board serve`, serving the directory `root`."""
 
     daemon_threads = True
+    # the listen queue: socketserver's default of 5 makes a fleet that wakes at once on an
+    # announcement (100 followers) lose SYNs and wait 1, 3, 7, 15 s for retransmits
+    # (benchmarks/fleet_load.py: p99 announce -> current 19 s with 5, 1.8 s with 1024)
+    request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], handler: type[BoardHandler], root: Path,
                  verbose: bool = False):

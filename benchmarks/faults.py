@@ -479,7 +479,6 @@ class Rig:
         if c.fps != want:
             return f"v{v}: coordinator fingerprints are not the publisher's"
         if not same_bits(self.engines, self.truth.engines(v)):
-            self.wrong_bits.add(v)
             return f"v{v}: rank bits differ from the publisher's view"
         return None
 
@@ -489,7 +488,9 @@ class Rig:
             err = self.follower.last_error if self.follower is not None else None
             if err and err not in self.errors and len(self.errors) < 8:
                 self.errors.append(err)
-            await self.steps_allowed.wait()
+            if not self.steps_allowed.is_set():  # engine steps held (a write, an undo, a load)
+                await self.steps_allowed.wait()
+                continue  # look again: a new pause may have begun before this task ran
             try:
                 t = await self.gate.admit()
             except NotReady:
@@ -503,6 +504,8 @@ class Rig:
             self.served += 1
             why = self.proven(self.gate.version)
             if why is not None:
+                if "bits differ" in why and self.gate.version is not None:
+                    self.wrong_bits.add(self.gate.version)
                 self.unproven += 1
                 if len(self.unproven_why) < 5:
                     self.unproven_why.append(why)
@@ -582,6 +585,13 @@ class Rig:
                    served=self.served, refused=self.refused, extra=extra)
 
 
+def gist(err: str) -> str:
+    """The reason inside a pydantic validation error (else `err`)."""
+    if "Value error, " in err:
+        return err.split("Value error, ", 1)[1].split(" [type=", 1)[0]
+    return err
+
+
 def short(s: str, n: int = 140) -> str:
     s = " ".join(str(s).split())
     return s if len(s) <= n else s[: n - 1] + "…"
@@ -659,7 +669,7 @@ async def bad_patch(name: str, make: Callable[[Rig, int], Callable[[bytes], byte
             note += (f"; v{n} is on the follower's avoid list after "
                      f"{getattr(follower_mod, 'BAD_AFTER', '?')} failures: not tried again "
                      f"for AVOID_TTL = {getattr(follower_mod, 'AVOID_TTL', float('nan')):g} s")
-        said = "; ".join(f'"{short(e, 100)}"' for e in rig.errors[:2]) or "nothing"
+        said = "; ".join(f'"{short(gist(e), 100)}"' for e in rig.errors[:2]) or "nothing"
         notes = (f"{what}; held v{held_during} meanwhile, follower said {said}; "
                  f"next good: {how}")
         return rig.row(name, since(t, t_ref), lost, "; ".join(x for x in (notes, note) if x))
@@ -1094,6 +1104,7 @@ def main() -> None:
     ap.add_argument("--slow", type=float, default=1.5, help="seconds per board response when slow")
     ap.add_argument("--settle", type=float, default=20.0,
                     help="seconds to wait for a version before calling it not reached")
+    ap.add_argument("--md", default="", help="also write the report to this file")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO if a.verbose else logging.CRITICAL,
@@ -1113,13 +1124,20 @@ def main() -> None:
         print(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
         return
     load = os.getloadavg()[0]
-    print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"cpus={os.cpu_count()} load={load:.2f} torch={torch.__version__} "
-          f"reconcile={a.reconcile:g}s rpc_timeout={a.rpc_timeout:g}s wall={wall:.0f}s\n")
-    print(table(rows))
+    text = [f"$ {' '.join([Path(sys.executable).name, *sys.argv])}",
+            f"cpus={os.cpu_count()} load={load:.2f} torch={torch.__version__} "
+            f"reconcile={a.reconcile:g}s rpc_timeout={a.rpc_timeout:g}s wall={wall:.0f}s", "",
+            table(rows)]
+    served = sum(r.served for r in rows)
+    refused = sum(r.refused for r in rows)
+    text += ["", f"engine-step loop (toy rows): {served:,} requests admitted and checked, "
+                 f"{refused:,} refused not_ready"]
     bad = [r for r in rows if isinstance(r.unproven, int) and r.unproven]
     if bad:
-        print(f"\nUNPROVEN STATE SERVED in: {', '.join(r.fault for r in bad)}")
+        text.append(f"UNPROVEN STATE SERVED in: {', '.join(r.fault for r in bad)}")
+    print("\n".join(text))
+    if a.md:
+        Path(a.md).write_text("\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

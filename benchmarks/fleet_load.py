@@ -340,9 +340,13 @@ def main() -> None:
     ap.add_argument("--board-backlog", type=int, default=0,
                     help="listen backlog of the board server (0: the server's own)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--md", default="", help="also write the report to this file")
     a = ap.parse_args()
     r = asyncio.run(run(a))
-    print(json.dumps(r, indent=1) if a.json else report(r, sys.argv))
+    text = report(r, sys.argv)
+    print(json.dumps(r, indent=1) if a.json else text)
+    if a.md:
+        Path(a.md).write_text(text + "\n")
     if r["followers_lost_versions"] or r["bit_exact"] != r["followers"]:
         raise SystemExit("a follower lost a version or diverged")
 

@@ -388,3 +388,47 @@ async def test_a_huge_latest_or_manifest_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 4096)
     with pytest.raises(TooLarge):
         await store.read_manifest(b, RUN, 3)
+
+
+def test_bounded_workers_survive_slow_clients_and_absurd_ranges(site):
+    """9 clients that never finish their request headers (slow loris) hold at most
+    `max_workers` threads, each dropped after the handler timeout; a real request is still
+    served; a 5,000-digit Range is ignored (the whole file), an unsatisfiable one is a 416."""
+    import socket
+    import time
+
+    class Quick(BoardHandler):
+        timeout = 1
+
+    server = serve(site["root"].parent, "127.0.0.1", 0, handler=Quick, max_workers=3)
+    server.log, server.faults = [], {}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_port
+    slow = []
+    try:
+        for _ in range(9):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /" + PREFIX.encode() + b"/")  # never finished
+            slow.append(s)
+        t0 = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", f"/{PREFIX}/{MANIFEST}")
+        r = conn.getresponse()
+        assert r.status == 200 and r.read() == b'{"hello": 1}'
+        assert time.monotonic() - t0 < 30  # queued behind the slow ones, not starved
+        assert server.peak <= 3
+        conn.request("GET", f"/{PREFIX}/{BIG}", headers={"Range": "bytes=" + "9" * 5000 + "-"})
+        r = conn.getresponse()
+        assert r.status == 200 and len(r.read()) == len(site["data"])
+        conn.request("GET", f"/{PREFIX}/{BIG}", headers={"Range": f"bytes={10 ** 15}-"})
+        r = conn.getresponse()
+        assert r.status == 416
+        r.read()
+        conn.close()
+    finally:
+        for s in slow:
+            s.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -3,7 +3,10 @@
 Serves GET and HEAD for board keys only (no listings, no dot files, nothing outside the root),
 single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers can resume downloads, and
 cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/` are
-immutable. Bodies go out with sendfile in chunks, never read whole into memory.
+immutable. Bodies go out with sendfile in chunks, never read whole into memory. At most
+`MAX_WORKERS` connections are served at once (more wait in the listen queue), a connection idle
+or stalled for 30 s is dropped, and malformed or absurd `Range` headers are ignored (the whole
+file) or answered 416. For a fleet, put a real HTTP cache or CDN in front (objects are immutable).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,7 +24,8 @@ from urllib.parse import unquote, urlsplit
 from stitch_core.versions.board.base import KEY_RE
 
 IMMUTABLE = "public, max-age=31536000, immutable"
-RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+RANGE_RE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # longer numbers: ignored (whole file)
+MAX_WORKERS = 64  # connections served at once; more wait in the listen queue
 CHUNK = 1 << 20
 
 
@@ -34,12 +39,39 @@ class BoardServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, addr: tuple[str, int], handler: type[BoardHandler], root: Path,
-                 verbose: bool = False):
+                 verbose: bool = False, max_workers: int = MAX_WORKERS):
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         self.root = root
         self.verbose = verbose
+        # a bounded pool: at most `max_workers` handler threads; the accept loop waits for a
+        # free one, so a flood of (slow) clients queues in the backlog instead of spawning a
+        # thread each. A client idle for `BoardHandler.timeout` seconds is dropped.
+        self.max_workers = max_workers
+        self._slots = threading.BoundedSemaphore(max_workers)
+        self.active = 0  # handler threads running now (status, tests)
+        self.peak = 0
+        self._count = threading.Lock()
         super().__init__(addr, handler)
+
+    def process_request(self, request, client_address) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        with self._count:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.active -= 1
+            self._slots.release()
 
     def handle_error(self, request, client_address) -> None:
         if self.verbose:
@@ -90,7 +122,7 @@ class BoardHandler(BaseHTTPRequestHandler):
     server: BoardServer
     server_version = "stitch-board"
     protocol_version = "HTTP/1.1"
-    timeout = 120  # idle keep-alive connections
+    timeout = 30  # seconds a connection may be idle or stalled (slow clients) before it is dropped
     disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
 
     def do_GET(self) -> None:
@@ -162,12 +194,13 @@ class BoardHandler(BaseHTTPRequestHandler):
 
 
 def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
-          verbose: bool = False, handler: type[BoardHandler] = BoardHandler) -> BoardServer:
+          verbose: bool = False, handler: type[BoardHandler] = BoardHandler,
+          max_workers: int = MAX_WORKERS) -> BoardServer:
     """A bound server for the board directory `root`; the caller runs `serve_forever()`."""
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise NotADirectoryError(f"board directory {root} does not exist")
-    return BoardServer((host, port), handler, root, verbose)
+    return BoardServer((host, port), handler, root, verbose, max_workers)
 
 
 def run_server(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,

@@ -182,3 +182,16 @@ def test_helpers():
     assert out == {"prompt": "\u00e9", "cache_salt": "stitch:r:v2"}
     assert salt_body(b"[1, 2]", "r", 2) is None
     assert salt_body(b'{"cache_salt": 5}', "r", 2) is None  # left for the app to reject
+
+
+async def test_an_oversized_request_body_is_a_413_before_the_app_sees_it():
+    """The middleware buffers a version-controlled body to salt it: at most `max_body` bytes."""
+    gate = VersionGate(RUN)
+    gate.set_version(1)
+    app = FakeOpenAI()
+    client = client_for(StitchASGI(app, gate, max_body=1000))
+    r = await client.post("/v1/completions", json={"prompt": "x" * 2000})
+    assert r.status_code == 413 and "over 1,000 bytes" in r.json()["error"]["message"]
+    assert not app.received  # never reached the engine
+    r = await client.post("/v1/completions", json={"prompt": "x" * 100})
+    assert r.status_code == 200 and app.received

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -44,6 +45,13 @@ _LINE = re.compile(r"\r\n|\n|\r")
 _DONE = "[DONE]"
 _COPIED = ("id", "object", "created", "model", "request_id")
 _NDJSON = ("application/x-ndjson", "application/jsonl", "application/json-seq")
+
+
+MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers (to salt it), at most
+
+
+class BodyTooLarge(ValueError):
+    """A version-controlled request's body is over the middleware's limit (answered 413)."""
 
 
 class StreamStopped(OSError):
@@ -146,10 +154,14 @@ class StitchASGI:
 
     def __init__(self, app: ASGIApp, gate: GateSource, *,
                  paths: Iterable[str] = protocol.DEFAULT_PATHS, routes: Iterable[Route] = (),
-                 salt: bool = True, status_path: str | None = protocol.STATUS_PATH):
+                 salt: bool = True, status_path: str | None = protocol.STATUS_PATH,
+                 max_body: int | None = None):
         self.app = app
         self._gate = gate
         self.salt = salt
+        env = os.environ.get("STITCH_MAX_BODY_BYTES", "")
+        self.max_body = max_body if max_body is not None else \
+            (int(env) if env.isdigit() else MAX_BODY_BYTES)
         self.status_path = status_path
         self.set_routes([*routes, *(Route(p) for p in paths)])
         self.set_guard(None)
@@ -264,8 +276,12 @@ class StitchASGI:
         try:
             if (self.salt and route.salt) or route.dialect == "responses":
                 salt = self.salt and route.salt
-                scope, receive, body = await self._salted(scope, receive, gate.run,
-                                                          ticket.start, salt)
+                try:
+                    scope, receive, body = await self._salted(scope, receive, gate.run,
+                                                              ticket.start, salt)
+                except BodyTooLarge as e:
+                    await send_json(send, 413, protocol.bad_request_body(str(e)), run_header)
+                    return
                 if route.dialect == "responses" and _background(body):
                     # it would generate after this answer, unstamped: refused
                     await send_json(send, 400, protocol.bad_request_body(
@@ -288,7 +304,7 @@ class StitchASGI:
                       salt: bool = True) -> tuple[Scope, Receive, bytes]:
         """Read the request body and replay it, with ``cache_salt`` set when `salt` and it is a
         JSON object; also returns the body as the client sent it."""
-        chunks = []
+        chunks, size = [], 0
         while True:
             msg = await receive()
             if msg["type"] != "http.request":  # disconnected while sending its body
@@ -296,6 +312,11 @@ class StitchASGI:
                     return msg
                 return scope, gone, b""
             chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                raise BodyTooLarge(f"request body over {self.max_body:,} bytes (the most this "
+                                   "server reads to version-control a request; "
+                                   "STITCH_MAX_BODY_BYTES)")
             if not msg.get("more_body", False):
                 break
         body = sent = b"".join(chunks)

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize
 
-from stitch_core.engine import rpc
+from stitch_core.engine import failpoints, rpc
 from stitch_core.serve import protocol
 from stitch_core.serve.asgi import ASGIApp, Scope, StitchASGI, send_json
 from stitch_core.serve.routes import Route
@@ -236,6 +237,8 @@ class EngineFollower:
 
 
 VERIFY_PATH = "/stitch/verify"
+ARM_PATH = "/stitch/debug/arm"  # only with STITCH_FAILPOINTS=1 (tests, chaos drills)
+ARM_BODY_MAX = 4096
 VERIFY_COOLDOWN = 10.0  # default seconds between two verifies (STITCH_VERIFY_COOLDOWN)
 UNAUTHORIZED = {"error": "Unauthorized"}  # the 401 body of vLLM's and SGLang's key checks
 
@@ -308,7 +311,8 @@ class FollowerMiddleware(StitchASGI):
     `POST /stitch/verify` (recompute every rank's fingerprints now): it takes the engine's API key
     when one is configured (401 without), runs one at a time (429 while one runs) and at most once
     every `verify_cooldown` seconds, or the last verify's duration if longer, after the previous
-    one ended (429 with Retry-After).
+    one ended (429 with Retry-After). With STITCH_FAILPOINTS=1 (tests, chaos drills) it also adds
+    `POST /stitch/debug/arm` (`arm`).
 
     At start-up (`configure`) subclasses may replace the routes under version control with those
     found in the engine's route table (`discover_routes`) and put the engine's authentication in
@@ -323,6 +327,7 @@ class FollowerMiddleware(StitchASGI):
         self._verifying = False
         self._verify_after = 0.0  # monotonic time the next verify may start
         self._verify_took = 0.0
+        self.failpoints = failpoints.enabled()  # POST /stitch/debug/arm exists
 
     def make_follower(self, app: Any) -> EngineFollower | None:
         raise NotImplementedError
@@ -404,7 +409,41 @@ class FollowerMiddleware(StitchASGI):
         if scope.get("path") == VERIFY_PATH and scope.get("method") == "POST":
             await self.verify(scope, send)
             return
+        if self.failpoints and scope.get("path") == ARM_PATH and scope.get("method") == "POST":
+            await self.arm(scope, receive, send)
+            return
         await super().http(scope, receive, send)
+
+    async def arm(self, scope: Scope, receive: Any, send: Any) -> None:
+        """`POST /stitch/debug/arm`, only when the server runs with STITCH_FAILPOINTS=1 (else the
+        path is the engine's: 404): arm a failpoint on the engine's ranks
+        (`stitch_core.engine.failpoints`; the JSON body holds the fields of `rpc.Arm`). Takes the
+        key /stitch/verify takes. 200 with what each rank has armed."""
+        if self.control_check is not None and not self.control_check(scope):
+            await unauthorized(scope, send)
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if len(body) > ARM_BODY_MAX or not msg.get("more_body", False):
+                break
+        try:
+            req = rpc.Arm(**json.loads(body or b"{}"))
+        except (ValueError, TypeError) as e:
+            await send_json(send, 400, {"error": f"not a failpoint: {e}"})
+            return
+        ef = _CURRENT
+        if ef is None:
+            await send_json(send, 503, {"error": "the engine follower is not running"})
+            return
+        try:
+            replies = await asyncio.wait_for(ef.rpc(req), 120)
+        except Exception as e:  # noqa: BLE001 - e.g. a rank without STITCH_FAILPOINTS=1
+            await send_json(send, 409, {"error": f"{type(e).__name__}: {e}"})
+            return
+        await send_json(send, 200, {"ranks": [{"rank": r.rank, "armed": r.armed}
+                                              for r in replies]})
 
     async def verify(self, scope: Scope, send: Any) -> None:
         """`POST /stitch/verify`: key, one at a time, rate-limited (class doc)."""

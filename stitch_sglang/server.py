@@ -5,7 +5,7 @@ uvicorn starts. At application start-up it starts a `SglangFollower` (a `stitch_
 EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
 
 * RPC: a `StitchCallReqInput` through the TokenizerManager's scheduler channel, answered by every
-  TP rank (`stitch_sglang.worker`) and collected by a `FanOutCommunicator`;
+  TP rank (`stitch_sglang.worker`) and matched to its call by id (`Calls`);
 * engine steps are held with `pause_generation(mode="in_place")` (requests and their KV stay) and
   released with `continue_generation`;
 * after each apply (steps still held) SGLang's own `weight_version` is set to the Stitch version,
@@ -34,6 +34,7 @@ import asyncio
 import logging
 import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,41 @@ def api_keys(tm: Any = None) -> tuple[str | None, str | None]:
     return getattr(serving, "api_key", None), getattr(serving, "admin_api_key", None)
 FLUSH_TIMEOUT = 60.0  # seconds a queued radix-cache flush waits for the engine to go idle
 
+class Calls:
+    """Stitch RPCs over SGLang's scheduler channel, each reply matched to its call by id.
+
+    SGLang's `FanOutCommunicator` hands whatever reply arrives next to the call waiting now: a call
+    given up on (the coordinator's STITCH_RPC_TIMEOUT ran out while a rank hung) leaves its reply
+    in flight, and the next call (the Undo, then the Sums proving it) would take that stale reply
+    as its own. Here a reply whose call is no longer waiting is dropped (logged)."""
+
+    def __init__(self, send: Any, fan_out: int):
+        self._send = send
+        self.fan_out = fan_out
+        self._waiting: dict[str, tuple[asyncio.Future, list[Any]]] = {}
+        self.dropped = 0
+
+    async def __call__(self, req: Any) -> list[Any]:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[req.call_id] = (fut, [])
+        try:
+            self._send(req)
+            return await fut
+        finally:
+            self._waiting.pop(req.call_id, None)
+
+    def handle_recv(self, out: Any) -> None:
+        waiting = self._waiting.get(out.call_id)
+        if waiting is None:
+            self.dropped += 1
+            log.warning("stitch: dropped a late reply (call %s, given up on)", out.call_id)
+            return
+        fut, got = waiting
+        got.append(out)
+        if len(got) >= self.fan_out and not fut.done():
+            fut.set_result(got)
+
+
 _ACTIVE = False  # the middleware was added to SGLang's app (this process follows a run)
 _WAKE = threading.Event()  # a version is proven, or the server is stopping: warm-up may end
 
@@ -112,9 +148,8 @@ class SglangFollower(EngineFollower):
 
     # ------------------------------------------------------------ EngineFollower hooks
 
-    def _communicator(self) -> Any:
+    def _communicator(self) -> Calls:
         if self._comm is None:
-            from sglang.srt.managers.communicator import FanOutCommunicator
             from sglang.utils import TypeBasedDispatcher
 
             from .worker import StitchCallReqOutput
@@ -126,7 +161,7 @@ class SglangFollower(EngineFollower):
             except Exception:
                 fan_out = 1
             self.tm.auto_create_handle_loop()
-            comm = FanOutCommunicator(self.tm._dispatch_to_scheduler, fan_out)
+            comm = Calls(self.tm._dispatch_to_scheduler, fan_out)
             self.tm._result_dispatcher += TypeBasedDispatcher(
                 [(StitchCallReqOutput, comm.handle_recv)])
             self._comm = comm
@@ -136,7 +171,8 @@ class SglangFollower(EngineFollower):
         from .worker import StitchCallReqInput
 
         method = type(req).__name__
-        outs = await self._communicator()(StitchCallReqInput(method=method, blob=rpc.encode(req)))
+        outs = await self._communicator()(StitchCallReqInput(
+            method=method, blob=rpc.encode(req), call_id=uuid.uuid4().hex))
         errors = [o.error for o in outs if o.error]
         if errors:
             raise RuntimeError(f"stitch {method} failed on the engine: {'; '.join(errors)}")

@@ -30,10 +30,12 @@ __all__ = ["StitchCallReqInput", "StitchCallReqOutput", "install_handler", "rank
 
 
 class StitchCallReqInput(BaseReq, kw_only=True):
-    """One `RankReplica` request for every TP rank: its type name (for logs) and its encoding."""
+    """One `RankReplica` request for every TP rank: its type name (for logs), its encoding and
+    the caller's id for it (echoed in the reply: a late reply is never taken for another's)."""
 
     method: str
     blob: bytes
+    call_id: str = ""
 
 
 class StitchCallReqOutput(BaseReq, kw_only=True):
@@ -41,6 +43,7 @@ class StitchCallReqOutput(BaseReq, kw_only=True):
 
     replies: list[bytes]
     error: str | None = None
+    call_id: str = ""
 
 
 def rank_info() -> dict[str, Any]:
@@ -95,7 +98,7 @@ def handle(scheduler: Any, req: StitchCallReqInput) -> StitchCallReqOutput:
         gathered = [(reply, err)]
     errors = [e for _, e in gathered if e]
     return StitchCallReqOutput(replies=[r for r, _ in gathered],
-                               error="; ".join(errors) if errors else None)
+                               error="; ".join(errors) if errors else None, call_id=req.call_id)
 
 
 def install_handler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

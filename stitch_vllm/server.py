@@ -91,8 +91,14 @@ class VllmFollower(EngineFollower):
         self.engine = engine_client
 
     async def rpc(self, req: rpc.Request) -> list[rpc.Reply]:
-        replies = await self.engine.collective_rpc("stitch_call", args=(rpc.encode(req),))
-        return [rpc.decode(r) for r in replies]
+        replies = [rpc.decode(r) for r in await self.engine.collective_rpc(
+            "stitch_call", args=(rpc.encode(req),))]
+        failed = [f"rank {i}: {r.error}" for i, r in enumerate(replies)
+                  if isinstance(r, rpc.Failed)]
+        if failed:  # every rank answered (the worker never raises): the queues stay in step
+            raise RuntimeError(f"stitch {type(req).__name__} failed on the engine: "
+                               f"{'; '.join(failed)}")
+        return replies
 
     async def pause(self) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=False)

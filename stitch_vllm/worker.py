@@ -61,10 +61,20 @@ class StitchWorkerExtension:
         return rep
 
     def stitch_call(self, blob: bytes) -> bytes:
-        """One typed rank request (`stitch_core.engine.rpc`), encoded, in; its reply out."""
+        """One typed rank request (`stitch_core.engine.rpc`), encoded, in; its reply out. Never
+        raises: a failure comes back as `rpc.Failed`. vLLM's executor reads the workers' replies
+        rank by rank and raises at the first failed one, leaving the later ranks' replies queued,
+        where the next call would read them as its own (every later reply one call late)."""
+        import logging
+
         from stitch_core.engine import rpc
 
-        return rpc.encode(self._stitch_replica().handle(rpc.decode(blob)))
+        try:
+            return rpc.encode(self._stitch_replica().handle(rpc.decode(blob)))
+        except Exception as e:
+            logging.getLogger("stitch.vllm").exception("stitch: rank request failed")
+            info = getattr(getattr(self, "_stitch_rep", None), "rank_info", {})
+            return rpc.encode(rpc.Failed(f"{type(e).__name__}: {e}", dict(info)))
 
     # ------------------------------------------------------------ lower-level (tests, debugging)
 

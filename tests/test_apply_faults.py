@@ -2,7 +2,9 @@
 hangs once another has written is undone everywhere and the old version proven; when the old
 version cannot be proven the engine stops serving (version None: requests get not_ready) and a
 snapshot load through the verified path brings it back. Real Coordinator, real RankReplicas on a
-TP=2 toy engine (tests/toy_engine.py), faults injected in the transport."""
+TP=2 toy engine (tests/toy_engine.py), faults injected in the transport or by the ranks' own
+failpoints (stitch_core.engine.failpoints; the same faults on real vLLM and SGLang engines:
+tests/faults_common.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 from stitch_core.engine import rpc as rpc_
 from stitch_core.engine.coordinator import Coordinator, EngineStateError
+from stitch_core.engine.failpoints import FailpointError
 from stitch_core.engine.replica import RankReplica
 from stitch_core.serve.gate import VersionGate
 from stitch_core.versions.board import LocalBoard
@@ -48,7 +51,7 @@ def _faulty_rpc(replicas: list[RankReplica], fault: dict):
     return rpc
 
 
-async def _start(root, views, fault: dict, timeout: float = 2.0):
+async def _start(root, views, fault: dict, timeout: float = 2.0, **hooks):
     d = root / "pulled-faults-0"
     if not d.exists():
         await pull(LocalBoard(root / "board"), RUN, 0, d, root / "cache", quiet=True)
@@ -56,7 +59,7 @@ async def _start(root, views, fault: dict, timeout: float = 2.0):
     replicas = [RankReplica(e, rank_info={"rank": i}) for i, e in enumerate(engines)]
     gate = VersionGate(RUN)
     coord = Coordinator(_faulty_rpc(replicas, fault), run=RUN, gate=gate, loader_fallback=True,
-                        rpc_timeout=timeout)
+                        rpc_timeout=timeout, **hooks)
     assert await coord.start(d) == 0
     return engines, replicas, coord, gate
 
@@ -152,3 +155,84 @@ async def test_a_hung_gather_fails_the_apply_without_writing(published, tmp_path
         await coord.apply_patch(m1, paths)
     assert coord.version == 0 and gate.version == 0
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
+
+
+def _steps(events: list[str]):
+    async def pause():
+        events.append("pause")
+
+    async def resume():
+        events.append("resume")
+    return {"pause": pause, "resume": resume}
+
+
+async def test_steps_stay_held_while_no_version_is_proven(published, tmp_path):
+    """Requests admitted at v0 and frozen by the apply's pause must not go on generating from
+    weights nothing proved (they would answer 200): when v0 cannot be proven after the failed
+    apply, engine steps stay held until a snapshot load is proven, which resumes them. An apply
+    undone and proven resumes at once."""
+    root, views = published
+    state = {"gone": False}
+
+    def gone_after_write(i, req):  # rank 1 fails its write, then answers nothing
+        if i == 1 and isinstance(req, rpc_.Write):
+            state["gone"] = True
+        return "raise" if i == 1 and state["gone"] else None
+
+    fault: dict = {"fn": gone_after_write}
+    events: list[str] = []
+    _, _, coord, gate = await _start(root, views, fault, **_steps(events))
+    m1, paths = await _v1(root, tmp_path)
+    with pytest.raises(EngineStateError):
+        await coord.apply_patch(m1, paths)
+    assert events == ["pause"] and coord.steps_held and coord.status()["steps_held"]
+    assert gate.state == "not_ready"
+    fault["fn"] = None  # the rank is back: a proven snapshot load resumes the steps
+    d = root / "pulled-faults-3"
+    await pull(LocalBoard(root / "board"), RUN, 3, d, root / "cache", quiet=True)
+    board = LocalBoard(root / "board")
+    await coord.load_snapshot(await read_manifest(board, RUN, 3), d)
+    assert events == ["pause", "pause", "resume"] and not coord.steps_held
+    fault["fn"] = _on(1, rpc_.Write, "raise")  # undone and proven: resumed at once
+    m4 = await read_manifest(board, RUN, 4)
+    with pytest.raises(RuntimeError):
+        await coord.apply_patch(m4, await fetch_patch(board, m4, tmp_path / "cache"))
+    assert coord.version == 3 and events[-2:] == ["pause", "resume"] and not coord.steps_held
+
+
+def test_failpoints_are_refused_unless_enabled(published, monkeypatch):
+    root, views = published
+    monkeypatch.delenv("STITCH_FAILPOINTS", raising=False)
+    rep = RankReplica(_engines(1, views[0])[0], rank_info={"tp_rank": 0})
+    with pytest.raises(FailpointError, match="STITCH_FAILPOINTS=1"):
+        rep.handle(rpc_.Arm(0))
+    monkeypatch.setenv("STITCH_FAILPOINTS", "1")
+    with pytest.raises(FailpointError, match="points are"):
+        rep.handle(rpc_.Arm(0, point="read"))
+    assert rep.handle(rpc_.Arm(1)).armed == []  # another rank's
+    armed = rep.handle(rpc_.Arm(0, action="hang", seconds=2.0)).armed
+    assert armed == [{"point": "write", "action": "hang", "seconds": 2.0, "after": 0, "times": 1}]
+    assert rep.handle(rpc_.Arm(None, action="off")).armed == []
+
+
+@pytest.mark.parametrize("point", ["write", "written"])
+async def test_a_rank_failpoint_raising_in_its_write_is_undone_everywhere(published, tmp_path,
+                                                                        monkeypatch, point):
+    """The rank's own failpoint: mid-write (rank 1 wrote part of its shard and restores it
+    itself; rank 0 wrote all of its shard: the coordinator undoes it) or after the whole write
+    (rank 1 holds all of v1 and its undo record: the coordinator's Undo restores it). Either
+    way v0 is proven and served; the failpoint fired once, so the next try applies v1."""
+    monkeypatch.setenv("STITCH_FAILPOINTS", "1")
+    root, views = published
+    engines, replicas, coord, gate = await _start(root, views, {})
+    replicas[1].rank_info["tp_rank"] = 1
+    await coord.rpc(rpc_.Arm(1, point=point, action="raise"))
+    m1, paths = await _v1(root, tmp_path)
+    with pytest.raises(RuntimeError, match="failpoint"):
+        await coord.apply_patch(m1, paths)
+    assert coord.version == 0 and gate.version == 0
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
+    assert (await coord.verify())["ok"] is True
+    await coord.apply_patch(m1, paths)
+    assert coord.version == 1
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))

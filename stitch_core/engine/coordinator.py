@@ -130,8 +130,14 @@ class Coordinator:
         self.ranks = 0
         self.check: dict[str, Any] = {"ok": None}
         self.last_apply: dict[str, Any] | None = None
+        # the last apply or load that failed once a rank may have written: undone and proven?
+        self.last_abort: dict[str, Any] | None = None
         self.patch_bytes_total = 0
         self.history: list[dict[str, Any]] = []
+        # engine steps left held after a failed apply or load whose weights could not be proven:
+        # requests already admitted stay frozen (never served from those weights) until a
+        # snapshot load is proven and resumes them
+        self.steps_held = False
         self._lock = asyncio.Lock()
 
     async def _call(self, req: rpc.Request, timeout: float | None = None) -> list[Any]:
@@ -159,13 +165,16 @@ class Coordinator:
     async def _abort(self, aid: str, version: int, err: BaseException) -> None:
         """An apply of `version` failed once a rank may have written: undo it on every rank and
         prove the version held before. If that cannot be proven (a rank gone, hung or holding
-        other bits), stop serving: nothing unproven is ever served, and the follower reloads a
-        snapshot through the verified path (it reads the held version, None, from here)."""
+        other bits), stop serving: nothing unproven is ever served (new requests get not_ready,
+        engine steps stay held, see `_resume`), and the follower reloads a snapshot through the
+        verified path (it reads the held version, None, from here)."""
         try:
             await self._call(rpc.Undo(aid))
             bad = self._mismatched(await self._call(rpc.Sums(sorted(self.mult))), self.fps)
         except Exception as e:  # noqa: BLE001 - any failure here means: not provable
             bad = [f"{type(e).__name__}: {e}"]
+        self.last_abort = {"version": version, "error": f"{type(err).__name__}: {err}",
+                           "undone": not bad, "at": time.time()}
         if not bad:
             log.warning("stitch: v%d failed (%s); undone on every rank, v%s proven", version,
                         err, self.version)
@@ -182,9 +191,25 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         return {"fingerprint_check": self.check, "last_apply": self.last_apply,
+                "last_abort": self.last_abort,
                 "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
                 "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld,
-                "derived_params": self.derived, "derived_copies": self.derived_copies}
+                "derived_params": self.derived, "derived_copies": self.derived_copies,
+                "steps_held": self.steps_held}
+
+    async def _resume(self, proven: bool) -> None:
+        """End the pause of an apply or load: resume engine steps if the weights are proven.
+        If not, keep them held: requests admitted before (at a proven version) would otherwise
+        go on generating from weights nothing proved, and answer 200; they wait instead, frozen,
+        until a snapshot load is proven (it resumes them)."""
+        if self.pause is None or self.resume is None:
+            return
+        if not proven:
+            self.steps_held = True
+            log.error("stitch: engine steps stay held until a version is proven")
+            return
+        await self.resume()
+        self.steps_held = False
 
     # ------------------------------------------------------------ start-up
 
@@ -491,6 +516,7 @@ class Coordinator:
                 await self.pause()
             t_w = time.perf_counter()
             replies: list[rpc.WriteReply] = []
+            proven = True
             try:
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
                     deltas: dict[str, int] = {}
@@ -513,7 +539,11 @@ class Coordinator:
                                 dtypes.int_view(t).reshape(-1).numpy())
                             for n, t in fb_new.items()}))
                 except BaseException as e:
-                    await self._abort(aid, m.version, e)  # steps still held
+                    try:
+                        await self._abort(aid, m.version, e)  # steps still held
+                    except EngineStateError:
+                        proven = False  # not even the old version: steps stay held
+                        raise
                     raise
                 write_s = time.perf_counter() - t_w
                 self.fps = dict(m.fingerprints)
@@ -521,8 +551,7 @@ class Coordinator:
                 handle.commit(m.patch_bytes)
                 await self._after(m.version)
             finally:
-                if self.pause is not None and self.resume is not None:
-                    await self.resume()
+                await self._resume(proven)
             pause_s = time.perf_counter() - t0
         self._set_version(m.version)  # proven by the ranks' read-back deltas
         try:
@@ -547,6 +576,7 @@ class Coordinator:
             async with gate_cm as handle:
                 if self.pause is not None:
                     await self.pause()
+                bad: list[str] = ["the load did not finish"]
                 try:
                     try:  # a load has no undo: once it started, only a proof may serve again
                         await self._call(rpc.LoadFiles(files), self.load_timeout)
@@ -558,6 +588,8 @@ class Coordinator:
                         self._set_version(None)
                         self.check = {"ok": False, "at": time.time(), "kind": "snapshot",
                                       "mismatched": bad[:20]}
+                        self.last_abort = {"version": m.version, "error": bad[0],
+                                           "undone": False, "snapshot": True, "at": time.time()}
                         raise EngineStateError(
                             f"v{m.version} loaded but {len(bad)} tensors do not verify: {bad[:3]}")
                     if self.fallback:
@@ -567,8 +599,7 @@ class Coordinator:
                     handle.commit()
                     await self._after(m.version)
                 finally:
-                    if self.pause is not None and self.resume is not None:
-                        await self.resume()
+                    await self._resume(not bad)
             self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
                           "tensors": len(self.mult), "fallback": len(self.fallback)}
             self._set_version(m.version)

@@ -15,6 +15,9 @@ worker, an SGLang TP process). It never decodes a patch: the node's coordinator
    coordinator holds its lock and engine steps are held.)
 3. `commit(id)` or `undo(id)`.
 
+Tests and chaos drills can arm failpoints in `write` (`rpc.Arm`, `stitch_core.engine.failpoints`;
+refused unless the process has STITCH_FAILPOINTS=1).
+
 `sums()` recomputes the same per-copy sums over the whole model (start-up check, `verify`); an
 engine that keeps a tensor in a wider dtype (fp32 norms) must hold exactly the widened served
 value, anything else counts as corruption. The coordinator checks that the ranks' sums add up to
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from stitch_core.engine import derived, rpc
+from stitch_core.engine.failpoints import Failpoints
 from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
@@ -114,6 +118,7 @@ class RankReplica:
         self._undo_id: str | None = None
         self._dirty: set[str] = set()
         self._last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.failpoints = Failpoints()  # tests and chaos drills only (STITCH_FAILPOINTS=1)
 
     # ------------------------------------------------------------ set-up and full checks
 
@@ -240,7 +245,7 @@ class RankReplica:
         dirty: set[str] = set()
         deltas: dict[str, int] = {}
         try:
-            for name, vb in values.items():
+            for i, (name, vb) in enumerate(values.items()):
                 tm = layout.tensors[name]
                 hf = dtypes.info(tm.hf_dtype)
                 new_all = torch.from_numpy(np.ascontiguousarray(vb).reshape(-1)).view(hf.int_dtype)
@@ -268,6 +273,8 @@ class RankReplica:
                     d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
                           - fpr.sum_at(name, hpos, old_bits, hf.itemsize) + extra)
                 deltas[name] = d & fpr.MASK64
+                if self.failpoints.armed:  # tests: fail here, part of the write done
+                    self.failpoints.hit("write", i + 1, len(values))
             if dirty:
                 self.on_dirty(dirty)
                 # what the kernels read: every derived copy built from what was written must have
@@ -285,6 +292,8 @@ class RankReplica:
         else:
             self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
         self._last_write = [(flat, eng) for flat, eng, _ in undo]
+        if self.failpoints.armed:  # tests: all written (undo record kept), then the call fails
+            self.failpoints.hit("written")
         return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
 
     def _restore(self, undo, dirty: set[str]) -> None:
@@ -398,4 +407,6 @@ class RankReplica:
                 return self.load_files(files)
             case rpc.Baseline(repeat):
                 return self.baseline(repeat)
+            case rpc.Arm():
+                return self.failpoints.arm(req, self.rank_info)
         raise ReplicaError(f"not a rank request: {type(req).__name__}")

@@ -20,7 +20,8 @@ import numpy as np
 
 __all__ = ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "Held", "GatherReply", "Write",
            "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Baseline",
-           "BaselineReply", "Request", "Reply", "index_dtype", "encode", "decode"]
+           "BaselineReply", "Arm", "ArmReply", "Failed", "Request", "Reply", "index_dtype",
+           "encode", "decode"]
 
 
 def index_dtype(bound: int) -> type[np.signedinteger]:
@@ -176,8 +177,41 @@ class BaselineReply:
     elements: int
 
 
-Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Baseline
-Reply = SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | BaselineReply
+# ------------------------------------------------------------------ tests and chaos drills
+@dataclass(frozen=True)
+class Arm:
+    """Arm a failpoint (`stitch_core.engine.failpoints`; refused unless the rank's process has
+    STITCH_FAILPOINTS=1) on TP rank `rank` (None: every rank): at `point` of the next `times`
+    writes (after `after` tensors of the write, at least one, for "write"), `action` it."""
+
+    rank: int | None
+    point: str = "write"  # "write" (mid-write) | "written" (wrote all, then the call fails)
+    action: str = "raise"  # "raise" | "hang" (sleep `seconds`, then carry on) | "exit" | "off"
+    seconds: float = 3600.0
+    after: int = 0
+    times: int = 1
+
+
+@dataclass(frozen=True)
+class ArmReply:
+    """The failpoints armed on a rank now, and its rank info."""
+
+    rank: dict[str, Any]
+    armed: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rank's request failed: what it raised. Adapters whose transport must get exactly one
+    reply per rank (vLLM's) send this instead of raising, and raise once every rank answered."""
+
+    error: str
+    rank: dict[str, Any] = field(default_factory=dict)
+
+
+Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Baseline | Arm
+Reply = (SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | BaselineReply
+         | ArmReply | Failed)
 
 
 def encode(msg: Request | Reply) -> bytes:

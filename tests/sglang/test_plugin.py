@@ -121,3 +121,20 @@ def test_native_batch_salts_each_prompt():
     assert out["cache_salt"] == ["u|stitch:r:v2", "stitch:r:v2"]
     assert json.loads(salt_body(b'{"text": ["a", "b"]}', "r", 2))["cache_salt"] == "stitch:r:v2"
     assert salt_body(b'{"cache_salt": ["u", 5]}', "r", 2) is None  # SGLang rejects it
+
+
+async def test_a_reply_given_up_on_is_never_taken_for_the_next_call():
+    """The coordinator gives up on a call (STITCH_RPC_TIMEOUT) while a rank hangs; its reply
+    arrives during the next call (the Undo): it is dropped, and each call gets its own reply."""
+    sent: list = []
+    calls = server.Calls(sent.append, fan_out=1)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(calls(SimpleNamespace(call_id="write")), 0.05)
+    undo = asyncio.create_task(calls(SimpleNamespace(call_id="undo")))
+    await asyncio.sleep(0)
+    calls.handle_recv(SimpleNamespace(call_id="write", replies=["late"]))  # the hung rank ends
+    await asyncio.sleep(0)
+    assert not undo.done() and calls.dropped == 1
+    calls.handle_recv(SimpleNamespace(call_id="undo", replies=["done"]))
+    assert [o.replies for o in await undo] == [["done"]]
+    assert [r.call_id for r in sent] == ["write", "undo"] and calls._waiting == {}

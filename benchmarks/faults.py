@@ -15,15 +15,16 @@ publishes precomputed AdamW versions of the toy model (``views[k]`` after k step
 version's true bits are known to the harness independently of the board.
 
 **Served from an unproven state.** An engine-step loop runs beside the follower, as an engine's
-scheduler would: it waits while the coordinator holds engine steps (its ``pause``/``resume``
-hooks, as ``STITCH_PAUSE_STEPS`` does), asks ``gate.admit()`` for an unpinned request every
-~5 ms and, for every request admitted, checks at that instant that (a) the coordinator's last
-check ``check["ok"]`` is True, (b) the coordinator holds a version and the gate says the same
-one, (c) the coordinator's fingerprints are the publisher's fingerprints of that version
-(computed here from the view, not read from the board), and (d) every parameter of both ranks is
-bit-identical to a fresh TP=2 toy engine loaded with that version's view. A request admitted
-while any of (a)-(d) fails counts as served from an unproven state. Requests the gate refuses
-(``not_ready``) are not served and are counted separately.
+API server and scheduler would: every ~5 ms it asks ``gate.admit()`` for an unpinned request;
+an admitted request then runs one engine step, which waits while the coordinator holds engine
+steps (its ``pause``/``resume`` hooks, as ``STITCH_PAUSE_STEPS`` does), and at the instant the
+step runs the loop checks that (a) the coordinator's last check ``check["ok"]`` is True, (b)
+the coordinator holds a version and the gate says the same one, (c) the coordinator's
+fingerprints are the publisher's fingerprints of that version (computed here from the view, not
+read from the board), and (d) every parameter of both ranks is bit-identical to a fresh TP=2 toy
+engine loaded with that version's view. A request whose step runs while any of (a)-(d) fails
+counts as served from an unproven state. Requests the gate refuses (``not_ready``) are not
+served and are counted separately.
 
 **Seconds to next good version.** From the row's reference instant (stated per row: the fault's
 end, or the publish of the next good version) to the first instant the follower holds the row's
@@ -488,15 +489,16 @@ class Rig:
             err = self.follower.last_error if self.follower is not None else None
             if err and err not in self.errors and len(self.errors) < 8:
                 self.errors.append(err)
-            if not self.steps_allowed.is_set():  # engine steps held (a write, an undo, a load)
-                await self.steps_allowed.wait()
-                continue  # look again: a new pause may have begun before this task ran
-            try:
+            try:  # admission, as the API server does it (steps held or not)
                 t = await self.gate.admit()
             except NotReady:
                 self.refused += 1
                 await asyncio.sleep(0.005)
                 continue
+            # an admitted request runs only when engine steps run: frozen while the coordinator
+            # holds them (a write, an undo, a load, no version proven)
+            while not self.steps_allowed.is_set():
+                await self.steps_allowed.wait()  # (looked at again: a new pause may have begun)
             now = time.perf_counter()
             if self._last_served is not None:
                 self.max_gap = max(self.max_gap, now - self._last_served)
@@ -580,6 +582,8 @@ class Rig:
     def row(self, fault: str, seconds: float | None, lost: int | str | None, notes: str,
             **extra) -> Row:
         gap = f"longest gap between served requests {self.max_gap:.2f} s"
+        if self.refused:
+            gap += f"; {self.refused} requests refused not_ready"
         why = f"; unproven: {self.unproven_why}" if self.unproven_why else ""
         return Row(fault, seconds, self.unproven, lost, f"{notes}; {gap}{why}".strip("; "),
                    served=self.served, refused=self.refused, extra=extra)
@@ -937,8 +941,40 @@ async def trainer_killed(name: str, work: Path, truth: Truth, args) -> Row:
 
 # ---------------------------------------------------------------- engines (--engines)
 
+def engine_notes(d: dict) -> str:
+    """A record's details in a sentence (the keys tests/faults_common.py writes; others as is)."""
+    parts = []
+    if isinstance(d.get("answers"), dict):
+        parts.append("probe answers " + ", ".join(f"{k} x{v}" for k, v in d["answers"].items()))
+    if "undone" in d:
+        parts.append("undone and the old version proven" if d["undone"] else
+                     "not provable: not_ready until a snapshot load was proven")
+    if "abort_to_next_good_s" in d:
+        parts.append(f"abort -> next good {d['abort_to_next_good_s']:.2f} s")
+    if d.get("error"):
+        parts.append(f"error \"{short(d['error'], 90)}\"")
+    known = {"answers", "undone", "abort_to_next_good_s", "error", "observed_s"}
+    parts += [f"{k} {short(json.dumps(v), 60)}" for k, v in d.items() if k not in known][:4]
+    return "; ".join(parts)
+
+
+def read_engine_rows(path: Path) -> list[Row]:
+    """Rows from the JSON lines the engine tests append to $STITCH_FAULTS_OUT."""
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            d = json.loads(line)
+            details = d.get("details") or {}
+            notes = d.get("notes") or engine_notes(details)
+            rows.append(Row(d["fault"], d.get("seconds_to_next_good"),
+                            d.get("unproven_served"), d.get("lost"), notes,
+                            engine=d["engine"], extra={"details": details}))
+    return rows
+
+
 def engine_rows(args) -> list[Row]:
     out = Path(tempfile.mkdtemp(prefix="stitch-faults-engines-")) / "rows.jsonl"
+    print(f"engine rows: {out}", file=sys.stderr, flush=True)
     runs = [("vLLM", ROOT / ".venv-vllm", ROOT / "tests/vllm/test_faults_tp2.py",
              {"STITCH_REQUIRE_VLLM": "1"}),
             ("SGLang", ROOT / ".venv-sglang", ROOT / "tests/sglang/test_faults_tp2.py",
@@ -964,17 +1000,7 @@ def engine_rows(args) -> list[Row]:
         if r.returncode != 0:
             tail = short(" ".join((r.stdout + r.stderr).splitlines()[-3:]), 160)
             missing.append(Row(f"{test.name} failed", None, None, None, tail, engine=engine))
-    rows = []
-    if out.exists():
-        for line in out.read_text().splitlines():
-            with contextlib.suppress(ValueError, KeyError):
-                d = json.loads(line)
-                details = d.get("details") or {}
-                notes = d.get("notes") or "; ".join(
-                    f"{k} {short(json.dumps(v), 60)}" for k, v in list(details.items())[:6])
-                rows.append(Row(d["fault"], d.get("seconds_to_next_good"),
-                                d.get("unproven_served"), d.get("lost"), notes,
-                                engine=d["engine"], extra={"details": details}))
+    rows = read_engine_rows(out) if out.exists() else []
     return rows + missing
 
 
@@ -1096,6 +1122,9 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true",
                     help="also run the real vLLM / SGLang fault tests (engine venvs)")
     ap.add_argument("--engine-timeout", type=float, default=1800)
+    ap.add_argument("--engine-rows", default="",
+                    help="take the engine rows from this JSON-lines file (an earlier "
+                         "STITCH_FAULTS_OUT) instead of running the engine tests")
     ap.add_argument("--reconcile", type=float, default=2.0, help="follower reconcile interval")
     ap.add_argument("--rpc-timeout", type=float, default=1.0, help="coordinator rank RPC timeout")
     ap.add_argument("--fault-window", type=float, default=3.0,
@@ -1115,7 +1144,9 @@ def main() -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     rows = asyncio.run(run_all(a))
-    if a.engines:
+    if a.engine_rows:
+        rows += read_engine_rows(Path(a.engine_rows))
+    elif a.engines:
         rows += engine_rows(a)
     else:
         rows += [Row(f, None, None, None, "run with --engines", engine=e) for f, e in ENGINE_ROWS]

@@ -124,9 +124,21 @@ def self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def board_stats(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/.stats", timeout=10) as r:
-        return json.loads(r.read())
+def _board_stats(url: str) -> dict:
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(f"{url}/.stats", timeout=10) as r:
+                return json.loads(r.read())
+        except OSError:
+            if attempt == 4:
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+async def board_stats(url: str) -> dict:
+    """The board server's counters (off the event loop: the followers keep running)."""
+    return await asyncio.to_thread(_board_stats, url)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -215,14 +227,14 @@ async def run(a: argparse.Namespace) -> dict:
             for p in params.values():
                 p.grad = torch.randn(p.shape, generator=g) * 1e-2
             opt.step()
-            b0, n0, c0, s0 = board_stats(url), cpu_seconds(ns.pid), cpu_seconds(board.pid), \
+            b0, n0, c0, s0 = await board_stats(url), cpu_seconds(ns.pid), cpu_seconds(board.pid), \
                 self_cpu()
             tp = time.perf_counter()
             info = await asyncio.to_thread(publish, step)
             m = await asyncio.to_thread(info.result, 60)
             t_all = await all_at(m.version, a.timeout)
             await asyncio.sleep(0.2)  # let the last heartbeats and polls of this version land
-            b1, n1, c1, s1 = board_stats(url), cpu_seconds(ns.pid), cpu_seconds(board.pid), \
+            b1, n1, c1, s1 = await board_stats(url), cpu_seconds(ns.pid), cpu_seconds(board.pid), \
                 self_cpu()
             lat, polled = [], 0
             for f in followers:

@@ -348,8 +348,15 @@ class Follower:
             for v in [v for v, t in self.avoid.items() if now_m - t > AVOID_TTL]:
                 del self.avoid[v]  # try it again: an operator may have repaired it
                 self._failures.pop(v, None)
-            steps = await plan(self.board, self.run, self.version, target, self.max_chain,
-                               trust=self.trust, avoid=frozenset(self.avoid))
+            try:
+                steps = await plan(self.board, self.run, self.version, target, self.max_chain,
+                                   trust=self.trust, avoid=frozenset(self.avoid))
+            except VersionError:
+                if not self.avoid:
+                    raise
+                # no way around the bad patch: try it again (an operator may have repaired it)
+                steps = await plan(self.board, self.run, self.version, target, self.max_chain,
+                                   trust=self.trust)
             for step in steps:
                 t_fetch = time.perf_counter()
                 try:

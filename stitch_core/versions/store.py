@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from stitch_core.versions.board.base import Board, BoardError, NotFound
+from stitch_core.versions.board.base import Board, BoardError, NotFound, TooLarge
 from stitch_core.versions.manifest import (
     MAX_MANIFEST_BYTES,
     Latest,
@@ -112,7 +112,10 @@ async def read_manifest(board: Board, run: str, version: int,
                         trust: TrustSet | None = None) -> Manifest:
     """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced,
     RefusedVersion if a trust set is given and does not accept its signature."""
-    raw = await board.get(manifest_key(run, version), MAX_MANIFEST_BYTES)
+    try:
+        raw = await board.get(manifest_key(run, version), MAX_MANIFEST_BYTES)
+    except TooLarge as e:  # unusable like a malformed one: the planner may route around it
+        raise VersionError(f"manifest of {run} v{version} refused: {e}") from None
     try:
         m = Manifest.model_validate_json(raw)
     except ValidationError as e:

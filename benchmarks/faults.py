@@ -622,9 +622,6 @@ def since(t: float | None, ref: float) -> float | None:
 
 # ---------------------------------------------------------------- the faults
 
-BadBytes = Callable[[bytes, int], bytes]
-
-
 SNAPSHOT_EVERY = 6  # the trainer's snapshot_every in the rows that need a later snapshot
 
 
@@ -1020,9 +1017,6 @@ def table(rows: list[Row]) -> str:
         lines.append(f"| {r.fault} | {r.engine} | {secs} | {un} | {lost} | "
                      f"{r.notes.replace('|', '/')} |")
     return "\n".join(lines)
-
-
-SCENARIOS: dict[str, Callable[..., Awaitable[Row]]] = {}
 
 
 def scenarios(views: list[dict[str, torch.Tensor]]) -> dict[str, Callable[..., Awaitable[Row]]]:

@@ -10,6 +10,8 @@ change: `connect_nats`, `announce`, `taken`, `build_manifest`, `write_snapshot_f
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import shutil
@@ -35,6 +37,7 @@ from stitch_core.versions.trust import SigningKey
 from ._io import IOLoop
 
 log = logging.getLogger("stitch.publisher")
+ANNOUNCE_TIMEOUT = 2.0  # seconds an announcement may take before the publisher moves on
 
 # HF side files a snapshot carries next to the weights (config, tokenizer, templates)
 SIDE_FILES = (
@@ -117,17 +120,29 @@ class PublisherBase:
         await ensure_streams(self._js, self.run)
 
     async def announce(self, m: Manifest) -> None:
-        """Announce a version on NATS (nothing without a connection)."""
+        """Announce a version on NATS (nothing without a connection). The version is on the
+        board already and followers poll it, so an announcement that fails or takes longer than
+        ANNOUNCE_TIMEOUT is logged, never the version's failure (NATS down must neither fail a
+        publish nor hold the trainer)."""
         if self._js is None:
             return
         from stitch_core.versions.announce import announce
 
-        await announce(self._js, announcement(m, self.board.url))
+        try:
+            await asyncio.wait_for(announce(self._js, announcement(m, self.board.url)),
+                                   ANNOUNCE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - NATS down, slow, refused: followers poll
+            log.warning("announcement of %s v%d failed (%s: %s); it is on the board, followers "
+                        "will see it when they poll", m.run, m.version, type(e).__name__, e)
 
     async def close_io(self) -> None:
         """Drain NATS and close a board this publisher opened."""
-        if self._nc is not None:
-            await self._nc.drain()
+        if self._nc is not None:  # bounded, and never an error: NATS may be down by now
+            try:
+                await asyncio.wait_for(self._nc.drain(), 5.0)
+            except Exception:  # noqa: BLE001 - reconnecting, timed out, closed: just close
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
         if self._own_board:
             await self.board.close()
 

@@ -82,3 +82,32 @@ async def test_a_missing_patch_without_a_later_snapshot_leaves_the_follower_at_i
     patch3.write_bytes(saved)  # an operator puts the object back
     assert await f.sync() == 4 and _equal(rep.tensors, views[4])
     await f.stop()
+
+
+def test_nats_going_down_never_fails_a_publish(tmp_path, caplog):
+    """The version is on the board before it is announced: an announcement that fails (NATS
+    stopped mid-run) is logged, the publish succeeds, `latest` moves, and the next version is
+    still a patch (a reported failure used to make it a full snapshot)."""
+    import time
+
+    from stitch_core.versions.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "nats", port=0).start()
+    g = torch.Generator().manual_seed(1)
+    masters = {"w": torch.randn(64, 64, generator=g) * 0.02}
+    try:
+        with Publisher(str(tmp_path / "board"), RUN, "bf16", nats=server.url) as pub:
+            assert pub.publish(0, masters).result().version == 0
+            server.stop()
+            kinds = []
+            t0 = time.monotonic()
+            for step in (1, 2):
+                masters = {"w": masters["w"] + torch.randn(64, 64, generator=g) * 2e-4}
+                kinds.append(pub.publish(step, masters).result().kind)
+            assert kinds == ["patch", "patch"]
+            assert time.monotonic() - t0 < 20  # bounded by the announcement timeout
+    finally:
+        server.stop()
+    assert "it is on the board, followers will see it when they poll" in caplog.text
+    latest = (tmp_path / "board" / RUN / "latest").read_text()
+    assert '"version":2' in latest.replace(" ", "")

@@ -51,7 +51,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------- the board server process
 
-def board_main(root: str, port: int, backlog: int | None) -> None:
+def board_main(root: str, port: int, backlog: int | None, workers: int | None) -> None:
     from stitch_core.versions.board.serve import BoardHandler, BoardServer, serve
 
     if backlog:  # --board-backlog: the listen queue of the server's socket
@@ -95,8 +95,10 @@ def board_main(root: str, port: int, backlog: int | None) -> None:
                 self._length = int(value)
             super().send_header(keyword, value)
 
-    server = serve(root, "127.0.0.1", port, handler=Counting)
-    print(f"port {server.server_port} backlog {server.request_queue_size}", flush=True)
+    kw = {"max_workers": workers} if workers else {}  # --board-workers
+    server = serve(root, "127.0.0.1", port, handler=Counting, **kw)
+    print(f"port {server.server_port} backlog {server.request_queue_size} workers "
+          f"{getattr(server, 'max_workers', 0)}", flush=True)
     server.serve_forever()
 
 
@@ -179,11 +181,11 @@ async def run(a: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in params.values())
 
     board = subprocess.Popen([sys.executable, __file__, "--_board", str(board_dir),
-                              str(a.board_backlog or 0)],
+                              str(a.board_backlog or 0), str(a.board_workers or 0)],
                              stdout=subprocess.PIPE, text=True)
     assert board.stdout is not None
     first = board.stdout.readline().split()
-    port, backlog = int(first[1]), int(first[3])
+    port, backlog, workers = int(first[1]), int(first[3]), int(first[5])
     url = f"http://127.0.0.1:{port}"
     overflows0 = overflows()
     ns = NatsServer(work / "js").start()
@@ -276,6 +278,7 @@ async def run(a: argparse.Namespace) -> dict:
             "followers": a.followers, "versions": a.versions, "params": n_params,
             "model_bytes": sum(t.numel() * t.element_size() for t in final.values()),
             "snapshot_bytes": m0.full_bytes, "start_s": start_s, "board_backlog": backlog,
+            "board_workers": workers,
             "listen_overflows": overflows() - overflows0, "nats_connected": connected,
             "rows": rows, "followers_lost_versions": lost, "bit_exact": exact,
             "p50_ms": 1e3 * pct(all_lat, 0.5), "p99_ms": 1e3 * pct(all_lat, 0.99),
@@ -309,7 +312,8 @@ def report(r: dict, argv: list[str]) -> str:
            f"({r['model_bytes'] / 1e6:.1f} MB bf16 per copy), {r['versions']} versions; all "
            f"followers loaded the v0 snapshot in {r['start_s']:.1f} s; NATS connected: "
            f"{r['nats_connected']}/{r['followers']}; board listen backlog "
-           f"{r['board_backlog']}, connections dropped on a full listen queue (machine-wide "
+           f"{r['board_backlog']}, {r['board_workers'] or 'unbounded'} workers, connections "
+           f"dropped on a full listen queue (machine-wide "
            f"TcpExtListenOverflows) {r['listen_overflows']}", "",
            "| version | changed % | patch bytes | all current s | announce→current p50 ms | "
            "p99 ms | max ms | by poll | board requests | board MB | nats-server CPU s | "
@@ -339,8 +343,8 @@ def report(r: dict, argv: list[str]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) >= 4 and sys.argv[1] == "--_board":
-        board_main(sys.argv[2], 0, int(sys.argv[3]) or None)
+    if len(sys.argv) >= 5 and sys.argv[1] == "--_board":
+        board_main(sys.argv[2], 0, int(sys.argv[3]) or None, int(sys.argv[4]) or None)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--followers", type=int, default=100)
@@ -351,6 +355,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--board-backlog", type=int, default=0,
                     help="listen backlog of the board server (0: the server's own)")
+    ap.add_argument("--board-workers", type=int, default=0,
+                    help="connections the board server serves at once (0: the server's own)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--md", default="", help="also write the report to this file")
     a = ap.parse_args()

@@ -210,7 +210,7 @@ def cmd_board_serve(a: argparse.Namespace) -> int:
     """`stitch board serve`: serve a board directory over HTTP; returns the exit status."""
     from stitch_core.versions.board.serve import run_server
 
-    run_server(Path(a.dir), a.host, a.port)
+    run_server(Path(a.dir), a.host, a.port, max_workers=a.workers)
     return 0
 
 
@@ -268,5 +268,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("dir")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--workers", type=int, default=256,
+                    help="connections served at once (one thread each; more wait in the queue)")
     sv.set_defaults(fn=cmd_board_serve)
 

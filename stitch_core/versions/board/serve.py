@@ -4,9 +4,10 @@ Serves GET and HEAD for board keys only (no listings, no dot files, nothing outs
 single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers can resume downloads, and
 cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/` are
 immutable. Bodies go out with sendfile in chunks, never read whole into memory. At most
-`MAX_WORKERS` connections are served at once (more wait in the listen queue), a connection idle
-or stalled for 30 s is dropped, and malformed or absurd `Range` headers are ignored (the whole
-file) or answered 416. For a fleet, put a real HTTP cache or CDN in front (objects are immutable).
+`MAX_WORKERS` (256; `--workers`) connections are served at once (more wait in the listen
+queue), a connection idle or stalled for 10 s is dropped, and malformed or absurd `Range`
+headers are ignored (the whole file) or answered 416. For a fleet, put a real HTTP cache or
+CDN in front (objects are immutable).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from stitch_core.versions.board.base import KEY_RE
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 RANGE_RE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # longer numbers: ignored (whole file)
-MAX_WORKERS = 64  # connections served at once; more wait in the listen queue
+# connections served at once (a thread each; more wait in the listen queue). Each follower
+# keeps one keep-alive connection: 64 made a burst of 100 followers wait (benchmarks/
+# fleet_load.py, p99 announce -> current 6.7 s vs 2.0 s with 256); idle ones are dropped after
+# `BoardHandler.timeout`, so threads are not held between polls
+MAX_WORKERS = 256
 CHUNK = 1 << 20
 
 
@@ -122,7 +127,7 @@ class BoardHandler(BaseHTTPRequestHandler):
     server: BoardServer
     server_version = "stitch-board"
     protocol_version = "HTTP/1.1"
-    timeout = 30  # seconds a connection may be idle or stalled (slow clients) before it is dropped
+    timeout = 10  # seconds a connection may be idle or stalled (slow clients) before it is dropped
     disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
 
     def do_GET(self) -> None:
@@ -204,9 +209,9 @@ def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
 
 
 def run_server(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
-               verbose: bool = False) -> None:
+               verbose: bool = False, max_workers: int = MAX_WORKERS) -> None:
     """Serve `root` until interrupted, printing the board URL."""
-    server = serve(root, host, port, verbose=verbose)
+    server = serve(root, host, port, verbose=verbose, max_workers=max_workers)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving board {server.root} at http://{shown}:{server.server_port}", flush=True)
     try:

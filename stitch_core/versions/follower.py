@@ -322,15 +322,13 @@ class Follower:
         try:
             latest = await read_latest(self.board, self.run, self.trust)
         except RefusedVersion as e:  # an unsigned or foreign-signed pointer: believe nothing
-            raw = await self.board.read_latest(self.run)
-            if raw is not None:
-                self._refuse(raw.version, e)
+            self._refuse(e.version, e)
             raise
         if latest is not None and (self.latest is None or latest.version > self.latest):
             try:
                 m = await read_manifest(self.board, self.run, latest.version, self.trust)
             except RefusedVersion as e:
-                self._refuse(latest.version, e)
+                self._refuse(e.version, e)
                 raise
             if self.refused.pop(m.version, None) is not None and self.on_refused is not None:
                 self.on_refused(m.version, None)  # a good version replaced the refused one

@@ -36,7 +36,21 @@ class VersionError(BoardError):
 
 class RefusedVersion(VersionError, UntrustedVersion):
     """A version (or `latest`) the trust set does not accept: unsigned, signed by an untrusted
-    key, or its signature does not match (both a VersionError and an UntrustedVersion)."""
+    key, or its signature does not match (both a VersionError and an UntrustedVersion).
+    `version`: the version refused (for `latest`: the one it claims)."""
+
+    def __init__(self, message: str, version: int):
+        super().__init__(message)
+        self.version = version
+
+
+def _checked(trust: TrustSet, obj: Manifest | Latest, kind: str, what: str,
+             version: int) -> str:
+    """`trust.check(...)`, its refusal as a RefusedVersion of `version`."""
+    try:
+        return trust.check(obj, kind, what)
+    except UntrustedVersion as e:
+        raise RefusedVersion(str(e), version) from None
 
 
 def now() -> str:
@@ -102,10 +116,7 @@ def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:
     trust set does not accept it."""
     if not trust:
         return None
-    try:
-        return trust.check(m, "manifest", f"{m.run} v{m.version}")
-    except UntrustedVersion as e:
-        raise RefusedVersion(str(e)) from None
+    return _checked(trust, m, "manifest", f"{m.run} v{m.version}", m.version)
 
 
 async def read_manifest(board: Board, run: str, version: int,
@@ -140,10 +151,7 @@ async def read_latest(board: Board, run: str, trust: TrustSet | None = None) -> 
         return latest
     if latest.run != run:
         raise VersionError(f"latest of {run} names run {latest.run}")
-    try:
-        trust.check(latest, "latest", f"{run} latest (v{latest.version})")
-    except UntrustedVersion as e:
-        raise RefusedVersion(str(e)) from None
+    _checked(trust, latest, "latest", f"{run} latest (v{latest.version})", latest.version)
     return latest
 
 

@@ -109,7 +109,24 @@ def install_wheel(py: Path) -> None:
     run(py, "-m", "pip", "install", "-q", "--no-deps", wheel())
 
 
+def setup_nginx() -> None:
+    """nginx for the HTTP relay (stitch relay http; tests/test_relay.py fails without it): on a
+    Debian/Ubuntu host running as root, `apt-get install -y nginx-light` when it is missing."""
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("nginx is missing (needed by the relay tests): apt-get install -y nginx-light",
+              flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], check=False, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-q", "nginx-light"], check=False, env=env)
+    if not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()):
+        print("WARNING: nginx is not installed and could not be installed here; "
+              "tests/test_relay.py will fail (install nginx, or set STITCH_NGINX)", flush=True)
+
+
 def setup() -> None:
+    setup_nginx()
     if not PY.exists():
         run(sys.executable, "-m", "venv", VENV)
     pyproject = (ROOT / "pyproject.toml").stat().st_mtime

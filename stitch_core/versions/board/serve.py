@@ -2,8 +2,12 @@
 
 Serves GET and HEAD for board keys only (no listings, no dot files, nothing outside the root),
 single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers can resume downloads, and
-cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/` are
-immutable. Bodies go out with sendfile in chunks, never read whole into memory. At most
+cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/`
+(manifests included: written once, never changed) are immutable, every answer carries a strong
+ETag of the content (`"sha256:<hex>"`, from the version's manifest where it lists the object,
+else hashed once and remembered) and `If-None-Match` is answered 304, and errors (404 included:
+a version or a span manifest may appear later at a key that was missing) are `no-store`.
+Bodies go out with sendfile in chunks, never read whole into memory. At most
 `MAX_WORKERS` (256; `--workers`) connections are served at once (more wait in the listen
 queue), a connection idle or stalled for 10 s is dropped, and malformed or absurd `Range`
 headers are ignored (the whole file) or answered 416. For a fleet, put a real HTTP cache or
@@ -12,6 +16,8 @@ CDN in front (objects are immutable).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import socket
@@ -32,6 +38,10 @@ RANGE_RE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # longer numbers: ignor
 # `BoardHandler.timeout`, so threads are not held between polls
 MAX_WORKERS = 256
 CHUNK = 1 << 20
+MAX_LISTED = 1 << 20  # a manifest read for its object digests (ETags) at most this big
+_ETAGS: dict[tuple, str] = {}  # (path, inode, mtime, size) -> strong ETag, bounded
+_ETAGS_MAX = 4096
+_ETAGS_LOCK = threading.Lock()
 
 
 class BoardServer(ThreadingHTTPServer):
@@ -115,6 +125,50 @@ def cache_control(key: str) -> str:
     return "no-cache"
 
 
+def _listed_sha256(path: Path, size: int) -> str | None:
+    """The sha256 the version's manifest (beside `path`) lists for `path`, if it lists it with
+    this size: a snapshot's ETag costs no hashing of its weights."""
+    if path.name == "manifest.json":
+        return None
+    try:
+        m = path.with_name("manifest.json")
+        if m.stat().st_size > MAX_LISTED:
+            return None
+        objs = json.loads(m.read_bytes()).get("objects") or []
+        for o in objs:
+            if o.get("path") == path.name and o.get("size") == size:
+                sha = str(o.get("sha256", ""))
+                return sha if re.fullmatch(r"[0-9a-f]{64}", sha) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def content_etag(path: Path, st: os.stat_result, f) -> str:
+    """A strong ETag naming the content: `"sha256:<hex>"` of the file's bytes (the manifest's
+    listed digest for a version object, else the file hashed once; remembered per inode, mtime
+    and size, so a rewritten `latest` gets a new one)."""
+    k = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+    with _ETAGS_LOCK:
+        tag = _ETAGS.get(k)
+    if tag is not None:
+        return tag
+    sha = _listed_sha256(path, st.st_size)
+    if sha is None:
+        h = hashlib.sha256()
+        f.seek(0)
+        while b := f.read(CHUNK):
+            h.update(b)
+        f.seek(0)
+        sha = h.hexdigest()
+    tag = f'"sha256:{sha}"'
+    with _ETAGS_LOCK:
+        if len(_ETAGS) >= _ETAGS_MAX:
+            _ETAGS.clear()
+        _ETAGS[k] = tag
+    return tag
+
+
 def _content_type(key: str) -> str:
     name = key.rsplit("/", 1)[-1]
     return "application/json" if name.endswith(".json") or name == "latest" \
@@ -151,7 +205,8 @@ class BoardHandler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-cache")
+        # never cached (a CDN may hold a 404 by heuristics otherwise): the key may exist later
+        self.send_header("Cache-Control", "no-store")
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -170,7 +225,14 @@ class BoardHandler(BaseHTTPRequestHandler):
         with f:
             st = os.fstat(f.fileno())
             size = st.st_size
-            etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+            etag = content_etag(path, st, f)
+            inm = self.headers.get("If-None-Match")
+            if inm and (inm.strip() == "*" or etag in [t.strip() for t in inm.split(",")]):
+                self.send_response(304)
+                self.send_header("ETag", etag)
+                self.send_header("Cache-Control", cache_control(key))
+                self.end_headers()
+                return
             start, end, code = 0, size - 1, 200
             rng = self.headers.get("Range")
             if rng and self.headers.get("If-Range", etag) == etag:

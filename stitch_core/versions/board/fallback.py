@@ -1,0 +1,148 @@
+"""A read-only board over an ordered list of boards: a region's relay first, the origin last.
+
+`open_board("http://relay.eu:8080,http://origin:8000")` (a comma-separated list, as in
+`STITCH_BOARD`) opens one. Every read goes to the first board that is up and falls back to the
+next one on any board error: a relay that refuses connections, times out or answers 5xx, and
+also a NotFound, because a relay or mirror may not hold an object the origin already has (a
+version is published at the origin first). A board that failed with a connection-level error is
+skipped for `cooldown` seconds (its own retries are cut to `relay_attempts`), so a dead relay
+costs a follower one failed connect per cooldown, not one per read. TooLarge is final: the object
+is the same everywhere. `latest` is read the same way: through the relay (which never caches it;
+docs/relays.md), from the origin when the relay fails. Followers never write to a board, so a
+write, a delete or a `latest` move is refused (ReadOnlyBoard): publish to the origin.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from stitch_core.versions.board.base import (
+    Board,
+    BoardError,
+    NotFound,
+    ReadOnlyBoard,
+    TooLarge,
+)
+from stitch_core.versions.manifest import Latest
+
+log = logging.getLogger("stitch.board.fallback")
+T = TypeVar("T")
+
+
+class FallbackBoard(Board):
+    """Reads from `boards` in order (first: the nearest), falling back on errors; read-only."""
+
+    readonly = True
+
+    def __init__(self, boards: list[Board], *, cooldown: float = 10.0):
+        if not boards:
+            raise BoardError("a fallback board needs at least one board")
+        self.boards = boards
+        self.url = ",".join(b.url for b in boards)
+        self.cooldown = cooldown
+        self._down_until = [0.0] * len(boards)
+        self.served: list[int] = [0] * len(boards)  # reads answered by each board (status)
+
+    def _order(self) -> list[int]:
+        now = time.monotonic()
+        up = [i for i in range(len(self.boards)) if self._down_until[i] <= now]
+        down = [i for i in range(len(self.boards)) if self._down_until[i] > now]
+        return up + down  # boards in their cooldown are still tried, last
+
+    async def _first(self, what: str, call: Callable[[Board], Awaitable[T]]) -> T:
+        errors: list[BaseException] = []
+        for i in self._order():
+            board = self.boards[i]
+            try:
+                out = await call(board)
+            except TooLarge:
+                raise
+            except NotFound as e:
+                errors.append(e)
+                continue
+            except (BoardError, OSError) as e:
+                if i < len(self.boards) - 1:
+                    log.warning("board %s failed (%s: %s); falling back to the next", board.url,
+                                what, e)
+                self._down_until[i] = time.monotonic() + self.cooldown
+                errors.append(e)
+                continue
+            self._down_until[i] = 0.0
+            self.served[i] += 1
+            return out
+        if all(isinstance(e, NotFound) for e in errors):
+            raise NotFound(f"{what}: not found on any of {self.url}")
+        last = next(e for e in reversed(errors) if not isinstance(e, NotFound))
+        raise BoardError(f"{what}: every board failed ({self.url}); last: {last}") from last
+
+    async def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        return await self._first(key, lambda b: b.get(key, max_bytes=max_bytes))
+
+    async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
+        # a partial download from a failed board is resumed from the next (same bytes: immutable)
+        await self._first(key, lambda b: b.get_file(key, dest, size=size))
+
+    async def exists(self, key: str) -> bool:
+        async def one(b: Board) -> bool:
+            if not await b.exists(key):
+                raise NotFound(key)
+            return True
+
+        try:
+            return await self._first(key, one)
+        except NotFound:
+            return False
+
+    async def read_latest(self, run: str) -> Latest | None:
+        async def one(b: Board) -> Latest:
+            got = await b.read_latest(run)
+            if got is None:
+                raise NotFound(f"{run}/latest")
+            return got
+
+        try:
+            return await self._first(f"{run}/latest", one)
+        except NotFound:
+            return None
+
+    async def list_versions(self, run: str) -> list[int] | None:
+        for i in self._order():
+            try:
+                got = await self.boards[i].list_versions(run)
+            except (BoardError, OSError):
+                continue
+            if got is not None:
+                return got
+        return None
+
+    async def put(self, key: str, src: bytes | Path) -> None:
+        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; publish to the origin")
+
+    async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
+        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; cannot move latest")
+
+    async def delete(self, key: str) -> None:
+        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; cannot delete {key}")
+
+    async def close(self) -> None:
+        for b in self.boards:
+            await b.close()
+
+
+def open_fallback(urls: list[str], open_one: Callable[[str], Board], *,
+                  relay_attempts: int = 2) -> FallbackBoard:
+    """A FallbackBoard of `urls` (nearest first); HTTP relays before the last retry only
+    `relay_attempts` times, so a dead relay hands over to the next board quickly."""
+    boards = [open_one(u) for u in urls]
+    for b in boards[:-1]:
+        if hasattr(b, "attempts"):
+            b.attempts = max(1, min(b.attempts, relay_attempts))
+        if hasattr(b, "timeout"):
+            import httpx
+
+            b.timeout = httpx.Timeout(b.timeout.read or 30.0, connect=2.0)
+    return FallbackBoard(boards)

@@ -1,0 +1,262 @@
+"""A regional relay on an existing engine: nginx as an HTTP cache in front of a board.
+One WAN transfer per region per object.
+
+`stitch relay http --origin http://origin:8000 --port 8080 --dir DIR` runs nginx with
+`nginx_config` (a caching reverse proxy: objects under `versions/` cached whole after one
+upstream fetch, concurrent misses collapsed onto that one fetch by `proxy_cache_lock`, `latest`
+and every non-200 answer passed through and never stored). Followers are given
+`STITCH_BOARD=http://relay:8080,http://origin:8000` (a FallbackBoard: the relay, else the
+origin). Why nginx, the headers that make any CDN safe, and what was found about NATS
+leafnodes: docs/relays.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+from stitch_core.errors import StitchError
+
+ENV_NGINX = "STITCH_NGINX"
+DEFAULT_MAX_CACHE = "20g"
+
+
+class RelayError(StitchError, RuntimeError):
+    """A relay's engine is missing, did not start, or died."""
+
+
+def find_nginx() -> str:
+    """The nginx binary: $STITCH_NGINX, PATH, /usr/sbin/nginx."""
+    for cand in (os.environ.get(ENV_NGINX), shutil.which("nginx"), "/usr/sbin/nginx"):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    raise RelayError("nginx not found: install it (Debian/Ubuntu: apt-get install nginx-light; "
+                     f"scripts/dev.py setup does) or set ${ENV_NGINX} to its path")
+
+
+def _origin(url: str) -> tuple[str, str]:
+    """(host:port, path prefix) of an http(s) origin URL."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.netloc:
+        raise RelayError(f"not an HTTP origin URL: {url!r} (want http(s)://host:port[/prefix])")
+    return u.netloc, u.path.rstrip("/")
+
+
+def nginx_config(origin: str, port: int, directory: str | os.PathLike, *,
+                 host: str = "127.0.0.1", max_cache: str = DEFAULT_MAX_CACHE,
+                 upstream_rate: str | None = None) -> str:
+    """nginx.conf of an HTTP relay of the board at `origin`, listening on host:port, keeping
+    its cache, logs and temp files under `directory`.
+
+    * objects under `/versions/` are cached whole on their first 200 (Range requests are served
+      from the cached copy; nginx asks the origin for the whole object on a miss), for as long as
+      the origin's `Cache-Control: immutable, max-age=31536000` says;
+    * `proxy_cache_lock`: concurrent misses for one object wait for the one upstream fetch;
+    * `<run>/latest` (and anything else outside `versions/`) is never cached: every read goes to
+      the origin, so a follower never sees a stale `latest`;
+    * only 200 is stored: a 404 (a version not published yet) or a 5xx is passed on, never kept;
+    * `upstream_rate` (e.g. `"12500k"`, bytes/s): nginx's `limit_rate` on the region's answers
+      (a crude WAN stand-in; the fleet benchmark uses `tc` instead where it can).
+    """
+    hostport, prefix = _origin(origin)
+    scheme = urllib.parse.urlsplit(origin).scheme
+    d = Path(directory).expanduser().resolve()
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};" if os.geteuid() == 0 else ""
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    rate = f"limit_rate {upstream_rate};" if upstream_rate else ""
+    return f"""\
+# written by stitch (stitch_core/versions/relay.py): an HTTP relay of {origin}
+{user}
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  log_format relay '$msec $remote_addr "$request" $status $body_bytes_sent '
+                   'cache=$upstream_cache_status up_bytes=$upstream_bytes_received';
+  access_log {d}/access.log relay;
+  client_body_temp_path {d}/tmp/body;
+  proxy_temp_path {d}/tmp/proxy;
+  fastcgi_temp_path {d}/tmp/fastcgi;
+  uwsgi_temp_path {d}/tmp/uwsgi;
+  scgi_temp_path {d}/tmp/scgi;
+  sendfile on;
+  tcp_nodelay on;
+  keepalive_timeout 65s;
+  proxy_cache_path {d}/cache levels=1:2 keys_zone=stitch:16m max_size={max_cache}
+                   inactive=30d use_temp_path=off;
+  # store 200s only: a 404 may become a version later, a 206 is a piece of what we cache whole
+  map $upstream_status $stitch_no_store {{ 200 0; default 1; }}
+  upstream stitch_origin {{
+    server {hostport};
+    keepalive 32;
+  }}
+  server {{
+    listen {listen} backlog=4096;
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_set_header Host {hostport};
+    proxy_connect_timeout 5s;
+    proxy_read_timeout 60s;
+    add_header X-Stitch-Relay-Cache $upstream_cache_status always;
+    # immutable version objects (patches, snapshots, manifests): one upstream fetch per object
+    location ~ /versions/ {{
+      proxy_pass {scheme}://stitch_origin{prefix};
+      proxy_cache stitch;
+      proxy_cache_key $uri;
+      proxy_cache_lock on;
+      proxy_cache_lock_timeout 600s;
+      proxy_cache_lock_age 600s;
+      proxy_cache_revalidate on;
+      proxy_cache_use_stale error timeout updating http_500 http_502 http_503 http_504;
+      proxy_no_cache $stitch_no_store;
+      proxy_cache_bypass $http_x_stitch_bypass;
+      {rate}
+    }}
+    # latest and anything else: straight to the origin, never stored
+    location / {{
+      proxy_pass {scheme}://stitch_origin{prefix};
+      proxy_cache off;
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+class NginxRelay:
+    """An nginx HTTP relay child process (`nginx -g 'daemon off;'`); context manager."""
+
+    def __init__(self, origin: str, port: int, directory: str | os.PathLike, *,
+                 host: str = "127.0.0.1", max_cache: str = DEFAULT_MAX_CACHE,
+                 upstream_rate: str | None = None, binary: str | None = None):
+        self.origin = origin.rstrip("/")
+        self.port = port
+        self.host = host
+        self.dir = Path(directory).expanduser().resolve()
+        self.max_cache = max_cache
+        self.upstream_rate = upstream_rate
+        self.binary = binary
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def conf(self) -> Path:
+        return self.dir / "nginx.conf"
+
+    @property
+    def access_log(self) -> Path:
+        return self.dir / "access.log"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def output(self, tail: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "error.log").read_text(errors="replace")[-tail:]
+        return ""
+
+    def write_config(self) -> Path:
+        for sub in ("cache", "tmp"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        text = nginx_config(self.origin, self.port, self.dir, host=self.host,
+                            max_cache=self.max_cache, upstream_rate=self.upstream_rate)
+        tmp = self.conf.with_name("nginx.conf.tmp")
+        tmp.write_text(text)
+        tmp.replace(self.conf)
+        return self.conf
+
+    def start(self, timeout: float = 10.0) -> NginxRelay:
+        if self.running:
+            return self
+        binary = self.binary or find_nginx()
+        self.write_config()
+        cmd = [binary, "-e", str(self.dir / "error.log"), "-p", str(self.dir), "-c",
+               str(self.conf), "-g", "daemon off;"]
+        with open(self.dir / "nginx.out", "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.dir / "nginx.out").read_text(errors="replace")[-2000:]
+                self.proc = None
+                raise RelayError(f"nginx exited before it was ready:\n{err}{self.output()}")
+            if _accepts(self.host, self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RelayError(f"nginx did not listen on {self.url} within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # nginx: fast shutdown
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def __enter__(self) -> NginxRelay:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def upstream_fetches(self) -> dict[str, int]:
+        """Requests this relay sent upstream, by cache status, from its access log (MISS: the
+        object fetched for the cache; BYPASS/None: passed through, e.g. `latest`)."""
+        out: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for line in self.access_log.read_text().splitlines():
+                st = next((p[6:] for p in line.split() if p.startswith("cache=")), "-")
+                out[st] = out.get(st, 0) + 1
+        return out
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def run_relay(server: NginxRelay, what: str) -> int:
+    """Run a relay until Ctrl-C/SIGTERM; returns an exit status (1: the relay died)."""
+
+    def _term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = None
+    with contextlib.suppress(ValueError):
+        previous = signal.signal(signal.SIGTERM, _term)
+    try:
+        server.start()
+        print(f"{what}: {server.url}", flush=True)
+        print("Ctrl-C to stop.", flush=True)
+        while server.running:
+            time.sleep(0.5)
+        print(f"the relay exited unexpectedly:\n{server.output()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

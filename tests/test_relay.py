@@ -1,0 +1,284 @@
+"""Regional relays with real parts: nginx (`stitch_core.versions.relay.NginxRelay`) in front of
+a real `stitch board serve` server (its handler counting what it is asked), real Publishers and
+Followers. nginx must be installed (`scripts/dev.py` setup installs it on Debian as root): these
+tests fail, never skip, without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from stitch_core.versions.board import open_board
+from stitch_core.versions.board.fallback import FallbackBoard
+from stitch_core.versions.board.http import HttpBoard
+from stitch_core.versions.board.serve import BoardHandler, serve
+from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.relay import NginxRelay, find_nginx, nginx_config
+
+RUN = "relay"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Counting(BoardHandler):
+    """Counts GETs per path at the origin: what crossed the 'WAN'."""
+
+    def _serve(self, body: bool) -> None:
+        with self.server.lock:
+            self.server.gets[(self.command, self.path)] += 1
+        super()._serve(body)
+
+
+@pytest.fixture
+def origin(tmp_path):
+    root = tmp_path / "board"
+    root.mkdir()
+    srv = serve(root, port=0, handler=Counting)
+    srv.gets, srv.lock = Counter(), threading.Lock()
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    srv.url = f"http://127.0.0.1:{srv.server_port}"
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def relay(origin, tmp_path):
+    find_nginx()  # RelayError (a failure, not a skip) when nginx is missing
+    r = NginxRelay(origin.url, free_port(), tmp_path / "relay").start()
+    yield r
+    r.stop()
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def make_model(n: int = 4, d: int = 128, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.weight": torch.nn.Parameter(torch.randn(d, d, generator=g) * 0.02)
+            for i in range(n)}
+
+
+def publish_versions(board_dir: Path, versions: int, *, start=None):
+    """A real Publisher: v0 (snapshot) + `versions` AdamW patches; returns the publisher and a
+    `step()` that publishes one more version."""
+    import torch
+
+    from stitch_trainer.publisher import Publisher
+
+    params = make_model()
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    pub = Publisher(str(board_dir), RUN, "bf16")
+    state = {"step": 0}
+
+    def step():
+        if state["step"] > 0:
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=g) * 1e-2
+            opt.step()
+        info = pub.publish(state["step"], {k: v.detach() for k, v in params.items()})
+        state["step"] += 1
+        return info.result(30)
+
+    for _ in range(versions + 1):
+        step()
+    return pub, step
+
+
+def test_nginx_config_caches_only_version_objects():
+    conf = nginx_config("http://origin.example:8000/boards", 8080, "/tmp/x")
+    assert "proxy_cache_lock on;" in conf
+    assert "map $upstream_status $stitch_no_store { 200 0; default 1; }" in conf
+    assert "proxy_pass http://stitch_origin/boards;" in conf
+    assert conf.count("proxy_cache stitch;") == 1 and "proxy_cache off;" in conf
+
+
+def test_headers_strong_etag_304_and_404_not_cacheable(origin, relay):
+    root = origin.root
+    d = root / RUN / "versions" / "000001"
+    d.mkdir(parents=True)
+    data = b"patch bytes " * 1000
+    (d / "patch.stp").write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    # the manifest lists the object: its ETag is the listed digest (no hashing needed)
+    listed = {"objects": [{"path": "patch.stp", "size": len(data), "sha256": "a" * 64}]}
+    (d / "manifest.json").write_text(json.dumps(listed))
+    status, h, body = get(f"{origin.url}/{RUN}/versions/000001/patch.stp")
+    assert status == 200 and h["ETag"] == f'"sha256:{"a" * 64}"'
+    assert "immutable" in h["Cache-Control"]
+    (d / "manifest.json").write_text('{"objects": []}')  # not listed: the content's own digest
+    (d / "other.bin").write_bytes(data)
+    status, h, _ = get(f"{origin.url}/{RUN}/versions/000001/other.bin")
+    assert h["ETag"] == f'"sha256:{sha}"'
+    status, h, _ = get(f"{origin.url}/{RUN}/versions/000001/manifest.json")
+    assert "immutable" in h["Cache-Control"]  # written once, never changed
+    status, h, body = get(f"{origin.url}/{RUN}/versions/000001/other.bin",
+                          {"If-None-Match": f'"sha256:{sha}"'})
+    assert status == 304 and body == b""
+    # a 404 is never stored, at the origin's word or the relay's: the key can appear later
+    missing = f"/{RUN}/versions/000002/manifest.json"
+    status, h, _ = get(origin.url + missing)
+    assert status == 404 and h["Cache-Control"] == "no-store"
+    assert get(relay.url + missing)[0] == 404
+    (root / RUN / "versions" / "000002").mkdir()
+    (root / RUN / "versions" / "000002" / "manifest.json").write_text("{}")
+    status, h, body = get(relay.url + missing)
+    assert status == 200 and body == b"{}"
+
+
+def test_relay_one_upstream_fetch_per_object(origin, relay, tmp_path):
+    """32 concurrent downloads of each of a run's objects through the relay: the origin serves
+    each object once (proxy_cache_lock collapses the misses); Range reads come from the cache."""
+    pub, _ = publish_versions(origin.root, 2)
+    pub.close()
+    keys = sorted(str(p.relative_to(origin.root)) for p in origin.root.rglob("*")
+                  if p.is_file() and "/versions/" in str(p))
+    assert any(k.endswith("patch.stp") for k in keys) and len(keys) >= 5
+
+    async def main():
+        boards = [HttpBoard(relay.url) for _ in range(32)]
+        try:
+            for key in keys:
+                want = (origin.root / key).read_bytes()
+                dests = [tmp_path / "dl" / f"{i}" / Path(key).name for i in range(32)]
+                for dst in dests:
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                await asyncio.gather(*(b.get_file(key, dst, size=len(want))
+                                       for b, dst in zip(boards, dests, strict=True)))
+                assert all(dst.read_bytes() == want for dst in dests)
+        finally:
+            for b in boards:
+                await b.close()
+
+    asyncio.run(main())
+    for key in keys:
+        assert origin.gets[("GET", f"/{key}")] == 1, (key, origin.gets)
+    status, h, body = get(f"{relay.url}/{keys[0]}", {"Range": "bytes=2-5"})
+    assert status == 206 and body == (origin.root / keys[0]).read_bytes()[2:6]
+    assert h["X-Stitch-Relay-Cache"] == "HIT" and origin.gets[("GET", f"/{keys[0]}")] == 1
+
+
+def test_cold_range_request_fetches_whole_object_once(origin, relay):
+    d = origin.root / RUN / "versions" / "000007"
+    d.mkdir(parents=True)
+    data = bytes(range(256)) * 400
+    (d / "model.safetensors").write_bytes(data)
+    key = f"/{RUN}/versions/000007/model.safetensors"
+    status, _, body = get(relay.url + key, {"Range": "bytes=100-199"})
+    assert status == 206 and body == data[100:200]
+    status, h, body = get(relay.url + key)
+    assert status == 200 and body == data and h["X-Stitch-Relay-Cache"] == "HIT"
+    assert origin.gets[("GET", key)] == 1
+
+
+def test_followers_through_relay_latest_fresh(origin, relay, tmp_path):
+    """8 followers told `relay,origin` follow 3 more versions: `latest` through the relay is
+    never stale (each version is seen by its first poll after the move), every object crossed
+    to the origin once."""
+    pub, step = publish_versions(origin.root, 0)
+
+    async def main():
+        followers = [Follower(f"{relay.url},{origin.url}", RUN, MemoryReplica(),
+                              cache_dir=tmp_path / "c" / str(i), reconcile_interval=0.2,
+                              cache_max_bytes=None) for i in range(8)]
+        assert all(isinstance(f.board, FallbackBoard) for f in followers)
+        for f in followers:
+            await f.start()
+        try:
+            for f in followers:
+                assert await f.wait_for(0, 20)
+            for _ in range(3):
+                m = await asyncio.to_thread(step)
+                t0 = time.monotonic()
+                for f in followers:
+                    assert await f.wait_for(m.version, 10), f.status()
+                assert time.monotonic() - t0 < 5  # polled at 0.2 s: latest is not cached
+            assert all(f.applied == [0, 1, 2, 3] for f in followers)
+            # every read went to the relay, none fell back
+            assert all(f.board.served[1] == 0 and f.board.served[0] > 0 for f in followers)
+        finally:
+            for f in followers:
+                await f.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+    objects = [k for (meth, k), n in origin.gets.items() if meth == "GET" and "/versions/" in k]
+    assert objects and all(origin.gets[("GET", k)] == 1 for k in objects), origin.gets
+    assert origin.gets[("GET", f"/{RUN}/latest")] > 8  # latest: passed through every time
+
+
+def test_relay_down_followers_fall_back_to_origin(origin, relay, tmp_path):
+    pub, step = publish_versions(origin.root, 1)
+    relay.stop()  # the region's relay is gone (and a second one was never there)
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def main():
+        f = Follower(f"{relay.url},{dead},{origin.url}", RUN, MemoryReplica(),
+                     cache_dir=tmp_path / "c", reconcile_interval=0.2, cache_max_bytes=None)
+        await f.start()
+        try:
+            t0 = time.monotonic()
+            assert await f.wait_for(1, 20), f.status()
+            first = time.monotonic() - t0
+            m = await asyncio.to_thread(step)
+            assert await f.wait_for(m.version, 10), f.status()
+            assert f.board.served[0] == f.board.served[1] == 0 and f.board.served[2] > 0
+            return first
+        finally:
+            await f.stop()
+
+    try:
+        first = asyncio.run(main())
+    finally:
+        pub.close()
+    assert first < 10  # dead relays are skipped after one failed connect each (cooldown)
+
+
+def test_fallback_board_refuses_writes_and_falls_back_on_not_found(origin, tmp_path):
+    other = tmp_path / "empty"
+    other.mkdir()
+    (origin.root / RUN / "versions" / "000001").mkdir(parents=True)
+    (origin.root / RUN / "versions" / "000001" / "patch.stp").write_bytes(b"x")
+
+    async def main():
+        b = open_board(f"{other},{origin.url}")  # a replica that lacks the object, then origin
+        assert isinstance(b, FallbackBoard) and b.readonly
+        assert await b.get(f"{RUN}/versions/000001/patch.stp") == b"x"
+        assert await b.exists(f"{RUN}/versions/000001/patch.stp")
+        assert not await b.exists(f"{RUN}/versions/000009/patch.stp")
+        from stitch_core.versions.board import NotFound, ReadOnlyBoard
+
+        with pytest.raises(NotFound):
+            await b.get(f"{RUN}/versions/000009/patch.stp")
+        with pytest.raises(ReadOnlyBoard):
+            await b.put(f"{RUN}/versions/000001/x", b"y")
+        await b.close()
+
+    asyncio.run(main())

@@ -175,7 +175,7 @@ class EngineFollower:
                 engine_id=s.engine_id, url=s.engine_url, region=s.region,
                 on_latest=self.gate.set_latest, held=lambda: self.coord.version,
                 on_dead=self._follower_died, trust=trust or None,
-                on_refused=self.gate.refuse_version)
+                on_refused=self.gate.refuse_version, load=lambda: self.gate.in_flight)
             self.gate.catch_up = self.follower.wait_for
             await self.follower.start()
         except Exception as e:  # e.g. a malformed board URL: not following means not serving

@@ -5,6 +5,11 @@ Per run, two streams (created on demand by `ensure_streams`):
     STITCH_<run>_VERSIONS  stitch.<run>.versions     one Announcement per published version
     STITCH_<run>_ENGINES   stitch.<run>.engines.<id> the last Heartbeat of each engine (1 h)
 
+and a third one that only `stitch gateway` creates (`ensure_gateways_stream`; followers never
+touch it, so their read-only rights stay as they are):
+
+    STITCH_<run>_GATEWAYS  stitch.<run>.gateways.<id> the last GatewayHeartbeat of each (1 h)
+
 Functions take a nats-py connection (`NATS`) or its JetStream context; `connect(url)` makes one
 (every NATS connection Stitch opens goes through it). It reads, from the environment:
 
@@ -32,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import nats
 import nats.errors
@@ -40,6 +45,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
+from pydantic import BaseModel, ConfigDict
 
 from stitch_core.errors import StitchError
 from stitch_core.versions.manifest import (
@@ -64,6 +70,7 @@ ENV_TLS_KEY = "STITCH_NATS_TLS_KEY"
 PERMISSIONS_VIOLATION = "permissions violation"
 
 Callback = Callable[[Announcement], Awaitable[None] | None]
+_M = TypeVar("_M", bound=BaseModel)
 JS = JetStreamContext | NATS
 
 
@@ -215,6 +222,11 @@ def engines_subject(run: str, engine: str = "*") -> str:
     return f"stitch.{check_run(run)}.engines.{engine}"
 
 
+def gateways_subject(run: str, gateway: str = "*") -> str:
+    """The heartbeat subject of `gateway` (`stitch gateway`) in `run` (default ``*``: all)."""
+    return f"stitch.{check_run(run)}.gateways.{gateway}"
+
+
 def versions_stream(run: str) -> str:
     """The name of the JetStream stream of `run`'s announcements."""
     return f"STITCH_{check_run(run)}_VERSIONS"
@@ -223,6 +235,11 @@ def versions_stream(run: str) -> str:
 def engines_stream(run: str) -> str:
     """The name of the JetStream stream of `run`'s engine heartbeats."""
     return f"STITCH_{check_run(run)}_ENGINES"
+
+
+def gateways_stream(run: str) -> str:
+    """The name of the JetStream stream of `run`'s gateway heartbeats (made by the gateways)."""
+    return f"STITCH_{check_run(run)}_GATEWAYS"
 
 
 def engine_token(engine_id: str) -> str:
@@ -480,24 +497,70 @@ async def publish_heartbeat(js_or_nc: JS, hb: Heartbeat) -> None:
 async def fleet(js: JS, run: str) -> list[Heartbeat]:
     """The last heartbeat of every engine of `run` seen within the last hour, sorted by id.
     Reads the stream directly (no waiting for the next round of heartbeats)."""
+    return await _last_of_each(_js(js), engines_stream(run), engines_subject(run), Heartbeat)
+
+
+class GatewayHeartbeat(BaseModel):
+    """Published by `stitch gateway` on `stitch.<run>.gateways.<id>` (`stitch status` shows it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    run: str
+    url: str | None = None
+    region: str | None = None
+    engines: int = 0  # engines it routes to now (fresh heartbeat, serving, not dead)
+    versions: list[int] = []  # the versions those engines serve, ascending, distinct
+    in_flight: int = 0
+    requests_total: int = 0
+    time: float
+
+
+async def ensure_gateways_stream(js: JS, run: str) -> None:
+    """Create (or bring up to date) `run`'s GATEWAYS stream (needs its STREAM.CREATE right once;
+    only INFO when it exists as wanted)."""
     js = _js(js)
-    stream = engines_stream(run)
+    async with _refusals(js, f"creating the gateway stream of run {run}"):
+        await _add_or_update(js, api.StreamConfig(
+            name=gateways_stream(run), subjects=[gateways_subject(run)],
+            description=f"stitch: last heartbeat of each gateway of run {run}",
+            retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
+            max_msgs_per_subject=1, max_age=ENGINES_MAX_AGE, allow_direct=True))
+
+
+async def publish_gateway_heartbeat(js: JS, hb: GatewayHeartbeat) -> None:
+    """Publish `hb` on stitch.<run>.gateways.<id> (JetStream: waits for the ack)."""
+    js = _js(js)
+    subject = gateways_subject(hb.run, engine_token(hb.id))
+    async with _refusals(js, f"publishing the heartbeat of gateway {hb.id} on {subject}"):
+        await js.publish(subject, hb.model_dump_json().encode(), stream=gateways_stream(hb.run))
+
+
+async def gateways(js: JS, run: str) -> list[GatewayHeartbeat]:
+    """The last heartbeat of every gateway of `run` seen within the last hour, sorted by id
+    ([] when no gateway ever ran: no stream)."""
+    return await _last_of_each(_js(js), gateways_stream(run), gateways_subject(run),
+                               GatewayHeartbeat)
+
+
+async def _last_of_each(js: JetStreamContext, stream: str, subjects: str,
+                        model: type[_M]) -> list[_M]:
+    """The last message of each subject of `stream` matching `subjects`, parsed as `model`
+    (malformed ones logged and skipped), sorted by id."""
     try:
-        info = await js.stream_info(stream, subjects_filter=engines_subject(run))
+        info = await js.stream_info(stream, subjects_filter=subjects)
     except nats.js.errors.NotFoundError:
         return []
-    subjects = sorted((info.state.subjects or {}).keys())
 
-    async def _last(subject: str) -> Heartbeat | None:
+    async def _last(subject: str) -> _M | None:
         try:
             msg = await js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError:  # expired meanwhile
             return None
         try:
-            return Heartbeat.model_validate_json(msg.data or b"")
+            return model.model_validate_json(msg.data or b"")
         except ValueError as e:
             log.warning("skipping malformed heartbeat on %s: %s", subject, str(e).splitlines()[0])
             return None
 
-    beats = await asyncio.gather(*(_last(s) for s in subjects))
+    beats = await asyncio.gather(*(_last(s) for s in sorted((info.state.subjects or {}).keys())))
     return sorted((b for b in beats if b is not None), key=lambda b: b.id)

@@ -78,7 +78,8 @@ class Follower:
                  on_dead: Callable[[BaseException], None] | None = None,
                  trust: TrustSet | None = None,
                  on_refused: Callable[[int, str | None], None] | None = None,
-                 cache_max_bytes: int | None = DEFAULT_MAX_BYTES):
+                 cache_max_bytes: int | None = DEFAULT_MAX_BYTES,
+                 load: Callable[[], int | None] | None = None):
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
@@ -106,6 +107,8 @@ class Follower:
         # told (version, one-line reason) once per refused version; (version, None) if that
         # version is accepted later (an operator replaced it with a signed one)
         self.on_refused = on_refused
+        # requests in flight in the engine (its VersionGate owns the count), for heartbeats
+        self.load = load
         self.refused: dict[int, str] = {}  # refused versions -> why (newest REFUSED_KEPT)
         self._failures: dict[int, int] = {}  # version -> failed fetches/applies of its patch
         self.avoid: dict[int, float] = {}  # versions routed around -> since (monotonic)
@@ -309,7 +312,8 @@ class Follower:
                 await publish_heartbeat(self._js, Heartbeat(
                     id=self.id, run=self.run, url=self.url, version=self.version,
                     latest=self.latest, state=self.state, lag=self.lag, region=self.region,
-                    health=self.health, error=self.dead or self.last_error, time=time.time()))
+                    health=self.health, error=self.dead or self.last_error,
+                    load=self.load() if self.load is not None else None, time=time.time()))
             self._beat.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._beat.wait(), self.heartbeat_interval)

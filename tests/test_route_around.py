@@ -21,7 +21,7 @@ def _publish(board, n: int, snapshot_every: int) -> list[dict[str, torch.Tensor]
         for step in range(n):
             pub.publish(step, masters).result()
             views.append({k: v.to(torch.bfloat16) for k, v in masters.items()})
-            masters = {k: v + torch.randn(v.shape, generator=g) * 2e-4 for k, v in
+            masters = {k: v + torch.randn(v.shape, generator=g) * 2e-6 for k, v in
                        masters.items()}
     return views
 

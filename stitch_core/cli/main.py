@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from stitch_core import __version__
-from stitch_core.cli import keys
+from stitch_core.cli import gateway, keys, squash
 from stitch_core.cli.versions import add_parsers
 from stitch_core.errors import StitchError
 from stitch_core.format.checkpoint import open_checkpoint
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_inspect)
     add_parsers(sub)
     keys.add_parsers(sub)
+    squash.add_parsers(sub)
+    gateway.add_parsers(sub)
     add_plugin_verbs(sub)
     return p
 

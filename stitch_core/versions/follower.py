@@ -112,6 +112,7 @@ class Follower:
         self.refused: dict[int, str] = {}  # refused versions -> why (newest REFUSED_KEPT)
         self._failures: dict[int, int] = {}  # version -> failed fetches/applies of its patch
         self.avoid: dict[int, float] = {}  # versions routed around -> since (monotonic)
+        self.avoid_spans: dict[tuple[int, int], float] = {}  # (base, version) of failed spans
         self.error_since: float | None = None  # wall time of the first error of a failing run
         self.dead: str | None = None  # why the follow loop ended
         self.applying = False
@@ -177,6 +178,7 @@ class Follower:
                 "patch_bytes_total": self.patch_bytes_total,
                 "trusted_keys": self.trust.ids if self.trust else None,
                 "avoiding": sorted(self.avoid),
+                "avoiding_spans": [list(sp) for sp in sorted(self.avoid_spans)],
                 "refused": self._last_refusal()}
 
     def _last_refusal(self) -> dict | None:
@@ -350,15 +352,18 @@ class Follower:
             for v in [v for v, t in self.avoid.items() if now_m - t > AVOID_TTL]:
                 del self.avoid[v]  # try it again: an operator may have repaired it
                 self._failures.pop(v, None)
+            for sp in [sp for sp, t in self.avoid_spans.items() if now_m - t > AVOID_TTL]:
+                del self.avoid_spans[sp]
             try:
                 steps = await plan(self.board, self.run, self.version, target, self.max_chain,
-                                   trust=self.trust, avoid=frozenset(self.avoid))
+                                   trust=self.trust, avoid=frozenset(self.avoid),
+                                   avoid_spans=frozenset(self.avoid_spans))
             except VersionError:
                 if not self.avoid:
                     raise
                 # no way around the bad patch: try it again (an operator may have repaired it)
                 steps = await plan(self.board, self.run, self.version, target, self.max_chain,
-                                   trust=self.trust)
+                                   trust=self.trust, avoid_spans=frozenset(self.avoid_spans))
             for step in steps:
                 t_fetch = time.perf_counter()
                 try:
@@ -385,10 +390,11 @@ class Follower:
                 t1 = time.perf_counter()
                 self.last_apply_seconds = t1 - t0
                 self.history.append({
-                    "version": step.version, "kind": step.kind, "fetch_s": t0 - t_fetch,
+                    "version": step.version, "kind": step.label, "base": step.base,
+                    "bytes": step.bytes, "fetch_s": t0 - t_fetch,
                     "apply_s": t1 - t0, "announced_at": self._announced_at.pop(step.version, None),
                     "current_at": t1})
-                self.patch_bytes_total += step.manifest.patch_bytes if step.kind == "patch" else 0
+                self.patch_bytes_total += step.bytes if step.kind == "patch" else 0
                 if self._held is None:
                     self._version = step.version
                 elif self.version != step.version:
@@ -400,8 +406,8 @@ class Follower:
                 self._beat.set()
                 async with self._changed:
                     self._changed.notify_all()
-                log.info("follower %s: now at %s v%d (%s)", self.id, self.run, step.version,
-                         step.kind)
+                log.info("follower %s: now at %s v%d (%s from %s, %d bytes)", self.id, self.run,
+                         step.version, step.label, step.base, step.bytes)
                 await self._prune_cache(step)  # after waiters are told: off the serving path
 
     async def _prune_cache(self, step: Step) -> None:
@@ -431,6 +437,11 @@ class Follower:
         match, a patch the target refuses); at BAD_AFTER the version is routed around."""
         if step.kind != "patch" or not isinstance(err, NotFound | VersionError | ValueError):
             return  # an outage, a rank that failed or hung: not the object's fault
+        if step.span is not None:  # the chain it squashes is the way around: no second try
+            self.avoid_spans[(step.span.base, step.span.version)] = time.monotonic()
+            log.warning("follower %s: the span %s v%d->v%d failed (%s); taking the chain",
+                        self.id, self.run, step.span.base, step.span.version, err)
+            return
         n = self._failures[step.version] = self._failures.get(step.version, 0) + 1
         if n >= BAD_AFTER and step.version not in self.avoid:
             self.avoid[step.version] = time.monotonic()

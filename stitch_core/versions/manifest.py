@@ -154,6 +154,87 @@ class Manifest(BaseModel):
         return sum(o.size for o in self.weights)
 
 
+def span_key(run: str, version: int, base: int) -> str:
+    """The board key of the span (squashed patch) from `base` straight to `version`."""
+    return f"{version_dir(run, version)}/span-{base:06d}.json"
+
+
+def span_object(base: int) -> str:
+    """The name of a span's patch object in its target's version directory."""
+    return f"span-{base:06d}.stp"
+
+
+def span_index_key(run: str, version: int) -> str:
+    """The board key of the list of spans that end at `version` (written by `stitch squash`)."""
+    return f"{version_dir(run, version)}/spans.json"
+
+
+class Span(BaseModel):
+    """A squashed patch: `base` straight to `version`, carrying only the net difference (positions
+    that changed and changed back are not in it). Built after both versions were published
+    (`stitch squash`, stitch_core.versions.squash), stored beside the target version
+    (`span_key`, its object `span_object(base)`), signed like a manifest (its own signature
+    domain, so neither can stand in for the other). `digest` / `base_digest` are the target's
+    and the base's manifest digests: a span names exactly the two versions it joins."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["stitch-span"] = "stitch-span"
+    format_version: Literal[1] = 1
+    run: str
+    base: int = Field(ge=0, le=MAX_VERSION)
+    version: int = Field(ge=0, le=MAX_VERSION)
+    base_digest: str = Field(max_length=128)
+    digest: str = Field(max_length=128)
+    objects: list[ObjectRef] = Field(min_length=1, max_length=4096)
+    changed_elements: int = Field(ge=0)
+    created: str = Field(max_length=64)
+    producer: str = Field(max_length=256)
+    signed_by: str | None = Field(default=None, pattern=KEY_ID_PATTERN)  # as in Manifest
+    signature: str | None = Field(default=None, max_length=SIGNATURE_MAX)
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        return check_run(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Span:
+        if not self.base < self.version:
+            raise ValueError("a span's base must be an earlier version")
+        if any(o.role != "patch" for o in self.objects):
+            raise ValueError("a span holds patch objects only")
+        paths = [o.path for o in self.objects]
+        if len(set(paths)) != len(paths) or any(not p.startswith("span-") for p in paths):
+            raise ValueError("a span's objects are unique span-* files")
+        return self
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    def as_manifest(self, target: Manifest) -> Manifest:
+        """The patch manifest a follower applies: `target` (its tensors and fingerprints, what
+        the apply proves), reached from `base` through this span's objects. Built locally after
+        both were checked (its own `signature` is dropped: it is never stored or re-checked)."""
+        if target.run != self.run or target.version != self.version or \
+                target.digest != self.digest:
+            raise ValueError(f"span {self.base}->{self.version} does not end at "
+                             f"{target.run} v{target.version}")
+        return target.model_copy(update=dict(
+            parent=self.base, kind="patch", objects=list(self.objects),
+            changed_elements=self.changed_elements, signed_by=None, signature=None))
+
+
+class SpanIndex(BaseModel):
+    """`spans.json` of a version directory: the bases of the spans that end there (a hint for
+    listing and retention; each span is still read and checked on its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+    run: str
+    version: int = Field(ge=0, le=MAX_VERSION)
+    bases: list[int] = Field(max_length=1 << 16)
+
+
 class Latest(BaseModel):
     """Content of `<run>/latest`: the newest complete version. Only ever moves forward."""
 
@@ -207,4 +288,6 @@ class Heartbeat(BaseModel):
     region: str | None = None
     health: Literal["ok", "degraded", "dead"] = "ok"  # the follower's own (see Follower.health)
     error: str | None = None  # its last error while not ok
+    # requests in flight in the engine's middleware (its VersionGate) at `time`; None: unknown
+    load: int | None = Field(default=None, ge=0)
     time: float

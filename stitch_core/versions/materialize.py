@@ -144,7 +144,8 @@ def replace(tmp: Path, out: Path, force: bool) -> None:
     os.replace(tmp, out)
 
 
-def _open_patch(parts: list[Path], m: Manifest) -> PatchReader | PatchSet:
+def open_patch(parts: list[Path], m: Manifest) -> PatchReader | PatchSet:
+    """The fetched parts of `m`'s patch as one reader (a PatchSet for a multi-part patch)."""
     # each part hashed through the descriptor it is then read from (the bytes used)
     readers = [PatchReader(p, sha256=r.sha256) for p, r in zip(parts, m.patches, strict=True)]
     if len(readers) == 1 and readers[0].header.part is None:
@@ -214,7 +215,7 @@ async def _materialise(board: Board, steps: list[Step], out: Path, cache: Path, 
     if not base.is_dir:
         raise VersionError("snapshot is not a directory")
     tmp = tmp_sibling(out)
-    readers = [_open_patch(p, s.manifest) for p, s in zip(paths, patches, strict=True)]
+    readers = [open_patch(p, s.manifest) for p, s in zip(paths, patches, strict=True)]
     try:
         tmp.mkdir(parents=True)
         if not readers:

@@ -29,8 +29,16 @@ import logging
 from pydantic import BaseModel, ValidationError
 
 from stitch_core.versions.board.base import Board, BoardError, NotFound, ReadOnlyBoard
-from stitch_core.versions.manifest import Manifest, check_run, manifest_key, version_dir
-from stitch_core.versions.store import VersionError, read_latest, read_manifest
+from stitch_core.versions.manifest import (
+    Manifest,
+    check_run,
+    manifest_key,
+    span_index_key,
+    span_key,
+    span_object,
+    version_dir,
+)
+from stitch_core.versions.store import VersionError, read_latest, read_manifest, span_bases
 from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.gc")
@@ -94,6 +102,10 @@ async def _doomed(board: Board, run: str, version: int) -> tuple[Deleted, list[s
         vdir = version_dir(run, version)
         keys += [f"{vdir}/{o.path}" for o in m.objects]
         size += sum(o.size for o in m.objects)
+    for b in await span_bases(board, run, version):  # squashed spans ending there
+        keys += [span_key(run, version, b), f"{version_dir(run, version)}/{span_object(b)}"]
+    if await board.exists(span_index_key(run, version)):
+        keys.append(span_index_key(run, version))
     return Deleted(version=version, kind=m.kind if m else None, objects=len(keys),
                    bytes=size), keys
 

@@ -22,7 +22,12 @@ from stitch_core.versions.manifest import (
     Latest,
     Manifest,
     ObjectRef,
+    Span,
+    SpanIndex,
     manifest_key,
+    span_index_key,
+    span_key,
+    span_object,
     version_dir,
 )
 from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
@@ -178,20 +183,107 @@ async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -
     return dest
 
 
+MAX_SPAN_BYTES = 1 << 20  # a span document lists its objects only (a few hundred bytes)
+
+
+async def read_span(board: Board, run: str, version: int, base: int,
+                    trust: TrustSet | None = None) -> Span | None:
+    """The span from `base` straight to `version`, if the board holds one (None if not);
+    VersionError if malformed or misplaced, RefusedVersion if the trust set refuses it."""
+    try:
+        raw = await board.get(span_key(run, version, base), MAX_SPAN_BYTES)
+    except NotFound:
+        return None
+    except TooLarge as e:
+        raise VersionError(f"span {run} v{base}->v{version} refused: {e}") from None
+    try:
+        sp = Span.model_validate_json(raw)
+    except ValidationError as e:
+        first = " ".join(str(e).splitlines()[:3])
+        raise VersionError(f"malformed span {run} v{base}->v{version}: {first}") from None
+    if (sp.run, sp.base, sp.version) != (run, base, version):
+        raise VersionError(f"span at {run} v{base}->v{version} describes {sp.run} "
+                           f"v{sp.base}->v{sp.version} (foreign or misplaced)")
+    if trust:
+        _checked(trust, sp, "span", f"span {run} v{base}->v{version}", version)
+    return sp
+
+
+async def write_span(board: Board, span: Span, files: dict[str, Path],
+                     signer: SigningKey | None = None) -> Span:
+    """Upload a span's objects, then the span document (signed with `signer`): readers find
+    the document only once everything it names is stored."""
+    if signer is not None:
+        span = signer.sign(span, "span")
+    vdir = version_dir(span.run, span.version)
+    for ref in span.objects:
+        await board.put(f"{vdir}/{ref.path}", files[ref.path])
+    await board.put(span_key(span.run, span.version, span.base),
+                    span.model_dump_json(indent=1).encode())
+    return span
+
+
+async def span_bases(board: Board, run: str, version: int) -> list[int]:
+    """The bases of the spans that end at `version` (from its span index; [] without one)."""
+    try:
+        raw = await board.get(span_index_key(run, version), 1 << 20)
+    except NotFound:
+        return []
+    try:
+        return SpanIndex.model_validate_json(raw).bases
+    except ValueError:
+        return []
+
+
+async def delete_spans(board: Board, run: str, version: int,
+                       bases: Iterable[int] | None = None) -> int:
+    """Delete the spans ending at `version` (documents first, then objects, then the index);
+    the number of keys deleted."""
+    bases = list(bases) if bases is not None else await span_bases(board, run, version)
+    vdir = version_dir(run, version)
+    n = 0
+    for b in bases:
+        await board.delete(span_key(run, version, b))
+        await board.delete(f"{vdir}/{span_object(b)}")
+        n += 2
+    await board.delete(span_index_key(run, version))
+    return n + 1
+
+
 @dataclass(frozen=True)
 class Step:
     """One move of a follower: load the snapshot `manifest` describes (`kind` "snapshot"), or
-    apply its patch on top of `manifest.parent` ("patch"). `files` is empty as planned; a fetched
-    step (`fetched`) carries its local files: the patch's parts in order, or the snapshot's
-    directory."""
+    apply its patch on top of `manifest.parent` ("patch"). A squashed span is a patch step too:
+    `span` is set and `manifest` is the target's, reached from the span's base
+    (`Span.as_manifest`). `files` is empty as planned; a fetched step (`fetched`) carries its
+    local files: the patch's parts in order, or the snapshot's directory."""
 
     kind: Literal["snapshot", "patch"]
     manifest: Manifest
     files: tuple[Path, ...] = ()
+    span: Span | None = None
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    @property
+    def base(self) -> int | None:
+        """The version this step starts from (None for a snapshot)."""
+        return None if self.kind == "snapshot" else self.manifest.parent
+
+    @property
+    def label(self) -> Literal["snapshot", "patch", "span"]:
+        """What `stitch plan` calls it: snapshot, patch (one published step) or span."""
+        return "span" if self.span is not None else self.kind
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this step downloads: the patch (or span), or the snapshot's weights and side
+        files."""
+        if self.kind == "patch":
+            return self.manifest.patch_bytes
+        return sum(o.size for o in self.manifest.objects if o.role != "patch")
 
     def fetched(self, files: Iterable[Path]) -> Step:
         """This step with its local files."""
@@ -214,22 +306,41 @@ class Step:
         return self.patch_parts or None
 
 
+# newest versions of the chain probed for a span from the follower's version (a span may lag
+# the newest version while `stitch squash` builds it; the rest of the way is then the chain)
+SPAN_PROBES = 4
+
+
+def path_bytes(steps: Iterable[Step]) -> int:
+    """Bytes a path downloads (what the planner minimises)."""
+    return sum(s.bytes for s in steps)
+
+
 async def plan(board: Board, run: str, have: int | None, target: int,
                max_chain: int = 64, *, fallback_ok: bool = True,
-               trust: TrustSet | None = None, avoid: frozenset[int] = frozenset()
+               trust: TrustSet | None = None, avoid: frozenset[int] = frozenset(),
+               avoid_spans: frozenset[tuple[int, int]] = frozenset(), spans: bool = True
                ) -> list[Step]:
-    """Cheapest known path from `have` (None: nothing) to `target`.
+    """Cheapest known path by bytes from `have` (None: nothing) to `target`.
 
-    Walk parents back from target; every version with a patch object is a patch step. Stop at
-    `have` (a chain), or at a snapshot when the chain would be longer than max_chain, broken
-    (missing or malformed manifest), or there is nothing held. Raises VersionError if no path.
-    With a trust set every manifest on the path must be signed by one of its keys. `avoid`:
-    versions whose patch keeps failing (a persistently bad object): the path goes through a
-    snapshot above them instead, or VersionError if there is none up to `target`.
+    Walk parents back from target; every version with a patch object is a patch step. The
+    walk stops at `have` (a chain), or at a snapshot when the chain would be longer than
+    max_chain, broken (missing or malformed manifest), or there is nothing held. The candidates
+    are then: the chain; the nearest snapshot on it plus the patches after it; and, with
+    `spans`, a squashed span from `have` straight to one of the SPAN_PROBES newest versions of
+    the walk plus the patches after it. The one that downloads the fewest bytes wins (fewer
+    steps on a tie). Raises VersionError if there is no path. With a trust set every manifest
+    and span used must be signed by one of its keys. `avoid`: versions whose patch keeps
+    failing (a persistently bad object): paths through their patch are not taken, or
+    VersionError if no other path reaches `target`; `avoid_spans`: (base, version) of spans
+    that failed.
     """
-    steps: list[Step] = []
+    steps: list[Step] = []  # patch steps, target first
+    walked: list[Manifest] = []  # every manifest read, target first
     v: int | None = target
     fallback: list[Step] | None = None
+    chain: list[Step] | None = None
+    blocked: int | None = None  # a version of `avoid` the walk stopped at
     reason = "the chain of parents does not reach it"
     while v is not None and (have is None or v > have):
         try:
@@ -238,30 +349,67 @@ async def plan(board: Board, run: str, have: int | None, target: int,
             log.warning("version %s of %s unusable (%s); looking for a snapshot", v, run, e)
             reason = str(e)
             break
+        walked.append(m)
         if m.kind == "snapshot":
             fallback = [Step("snapshot", m), *reversed(steps)]
             if have is None or m.patch is None or len(steps) >= max_chain or v in avoid:
-                return fallback
-        if v in avoid:  # its patch keeps failing: only a later snapshot gets past it
-            if fallback is not None:
-                log.warning("v%s of %s: its patch keeps failing; going through snapshot v%s",
-                            v, run, fallback[0].version)
-                return fallback
-            raise VersionError(f"the patch of {run} v{v} keeps failing and no snapshot after it "
-                               f"(up to v{target}) routes around it")
+                break
+        if v in avoid:  # its patch keeps failing: a later snapshot or a span gets past it
+            blocked = v
+            break
         if m.patch is None:
             break
         steps.append(Step("patch", m))
         v = m.parent
     else:
         if v is not None and v == have:
-            return list(reversed(steps))
-    if fallback is not None:
-        return fallback
+            chain = list(reversed(steps))
+    if have is None:
+        if fallback is not None:
+            return fallback
+    else:
+        options = [p for p in (chain, fallback) if p is not None]
+        if spans:
+            options += await _span_paths(board, run, have, walked, steps, trust, avoid_spans)
+        if options:
+            best = min(options, key=lambda p: (path_bytes(p), len(p)))
+            if blocked is not None:
+                log.warning("v%s of %s: its patch keeps failing; going %s", blocked, run,
+                            f"through snapshot v{best[0].version}" if best[0].kind == "snapshot"
+                            else f"through span v{best[0].base}->v{best[0].version}")
+            return best
+    if blocked is not None:
+        raise VersionError(f"the patch of {run} v{blocked} keeps failing and no snapshot or "
+                           f"span after it (up to v{target}) routes around it")
     if not fallback_ok:
         raise VersionError(f"no path from {run} v{have} to v{target}: {reason}")
     # chain broken or not reaching `have`: scan back for the nearest usable snapshot
     return await _from_snapshot(board, run, target, trust)
+
+
+async def _span_paths(board: Board, run: str, have: int, walked: list[Manifest],
+                      steps: list[Step], trust: TrustSet | None,
+                      avoid_spans: frozenset[tuple[int, int]]) -> list[list[Step]]:
+    """Paths that start with a span from `have` to one of the newest walked versions and go on
+    with the walked patches after it."""
+    out: list[list[Step]] = []
+    for m in walked[:SPAN_PROBES]:
+        if m.version <= have + 1 or (have, m.version) in avoid_spans:
+            continue  # a span of one version is that version's patch
+        try:
+            sp = await read_span(board, run, m.version, have, trust)
+        except VersionError as e:  # refused or malformed: the other paths remain
+            log.warning("%s; not using it", e)
+            continue
+        if sp is None:
+            continue
+        if sp.digest != m.digest:
+            log.warning("span %s v%d->v%d names another target digest; not using it", run,
+                        have, m.version)
+            continue
+        rest = [s for s in reversed(steps) if s.version > m.version]
+        out.append([Step("patch", sp.as_manifest(m), span=sp), *rest])
+    return out
 
 
 # manifests read at most when searching back for a snapshot (bounded work whatever the board or

@@ -38,7 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from stitch_core.errors import StitchError
 
 KEY_PREFIX = "ed25519:"
-_DOMAIN = {"manifest": b"stitch-manifest-signature-v1\n", "latest": b"stitch-latest-signature-v1\n"}
+_DOMAIN = {"manifest": b"stitch-manifest-signature-v1\n", "latest": b"stitch-latest-signature-v1\n",
+           "span": b"stitch-span-signature-v1\n"}
 MAX_KEY_FILE = 64 << 10  # a key file is a few hundred bytes; refuse to read anything big
 
 

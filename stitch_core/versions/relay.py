@@ -6,12 +6,15 @@ One WAN transfer per region per object.
 upstream fetch, concurrent misses collapsed onto that one fetch by `proxy_cache_lock`, `latest`
 and every non-200 answer passed through and never stored). Followers are given
 `STITCH_BOARD=http://relay:8080,http://origin:8000` (a FallbackBoard: the relay, else the
-origin). Why nginx, the headers that make any CDN safe, and what was found about NATS
-leafnodes: docs/relays.md.
+origin). For a NATS board, `region_config` + `mirror_board` make a region's nats-server a
+leafnode of the origin's with JetStream mirrors of the board's object store and `latest` KV
+(`STITCH_BOARD=nats://region:4222/stitch,nats://origin:4222/stitch`). Why these, the headers
+that make any CDN safe, and the limits: docs/relays.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pwd
@@ -237,6 +240,75 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
+# ---------------------------------------------------------------- NATS: leafnode + mirrors
+
+def hub_config(leaf_port: int, *, domain: str = "hub") -> str:
+    """Lines for the origin's nats-server config: a JetStream domain of its own (so regions can
+    address its JetStream API as `$JS.<domain>.API`) and a port for region leafnodes."""
+    return (f"jetstream {{\n  domain: {domain}\n  sync_interval: always\n}}\n"
+            f"leafnodes {{\n  port: {leaf_port}\n}}\n")
+
+
+def region_config(origin_leaf_url: str, *, domain: str, server_name: str | None = None) -> str:
+    """A region's nats-server config: a leafnode of the origin (`nats-leaf://host:7422`) with
+    a JetStream domain of its own, which holds the mirrors `mirror_board` makes."""
+    u = origin_leaf_url if "://" in origin_leaf_url else f"nats-leaf://{origin_leaf_url}"
+    return (f"server_name: {server_name or domain}\n"
+            f"jetstream {{\n  domain: {domain}\n}}\n"
+            f"leafnodes {{\n  reconnect: \"1s\"\n  remotes [ {{ url: \"{u}\" }} ]\n}}\n")
+
+
+async def mirror_board(region_url: str, bucket: str = "stitch", *, origin_domain: str = "hub",
+                       timeout: float = 30.0) -> list[str]:
+    """Make the region's JetStream (the server at `region_url`) hold mirrors of a NATS board's
+    two streams on the origin: `OBJ_<bucket>` (the objects) and `KV_<bucket>_latest`, under the
+    same names, so a NatsBoard on the region server reads them as the board itself (nats-py's
+    object store and KV read a mirror as they read the original: tests/test_relay.py). Each
+    object crosses the leaf connection once, whatever the number of readers in the region. Waits
+    up to `timeout` for the origin's streams to exist (a mirror of a missing stream does not
+    catch up promptly); an existing mirror is left as it is. Returns the streams mirrored."""
+    import nats
+    from nats.js import api
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(region_url, connect_timeout=5)
+    try:
+        local, origin = nc.jetstream(), nc.jetstream(domain=origin_domain)
+        done = []
+        for name in (f"OBJ_{bucket}", f"KV_{bucket}_latest"):
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    src = (await origin.stream_info(name)).config
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RelayError(f"stream {name} not found on the origin (JetStream "
+                                         f"domain {origin_domain!r}) within {timeout:.0f} s; "
+                                         f"publish once first") from None
+                    await asyncio.sleep(0.2)
+            try:
+                await local.stream_info(name)
+                done.append(name)
+                continue
+            except NotFoundError:
+                pass
+            cfg = api.StreamConfig(
+                name=name, storage=api.StorageType.FILE,
+                mirror=api.StreamSource(name=name, external=api.ExternalStream(
+                    api=f"$JS.{origin_domain}.API")),
+                # what the KV and object-store clients check of a stream they open
+                max_msgs_per_subject=src.max_msgs_per_subject, allow_rollup_hdrs=True,
+                allow_direct=bool(src.allow_direct), discard=src.discard,
+                description=f"stitch relay: mirror of {name} (JetStream domain "
+                            f"{origin_domain})")
+            await local.add_stream(cfg)
+            done.append(name)
+        return done
+    finally:
+        await nc.close()
+
+
 def run_relay(server: NginxRelay, what: str) -> int:
     """Run a relay until Ctrl-C/SIGTERM; returns an exit status (1: the relay died)."""
 
@@ -260,3 +332,26 @@ def run_relay(server: NginxRelay, what: str) -> int:
         server.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m stitch_core.versions.relay http --origin URL [--port N] [--dir D]`: the same
+    as `stitch relay http`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m stitch_core.versions.relay",
+                                 description="a region's HTTP relay of a board (nginx cache)")
+    sub = ap.add_subparsers(dest="kind", required=True)
+    h = sub.add_parser("http")
+    h.add_argument("--origin", required=True, help="the board's URL, e.g. http://origin:8000")
+    h.add_argument("--port", type=int, default=8080)
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--dir", default="./stitch-relay", help="cache, logs and nginx.conf")
+    h.add_argument("--max-cache", default=DEFAULT_MAX_CACHE, help="proxy_cache max_size")
+    a = ap.parse_args(argv)
+    relay = NginxRelay(a.origin, a.port, Path(a.dir), host=a.host, max_cache=a.max_cache)
+    return run_relay(relay, f"HTTP relay of {a.origin} (nginx, cache in {relay.dir})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

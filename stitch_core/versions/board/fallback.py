@@ -137,12 +137,13 @@ def open_fallback(urls: list[str], open_one: Callable[[str], Board], *,
                   relay_attempts: int = 2) -> FallbackBoard:
     """A FallbackBoard of `urls` (nearest first); HTTP relays before the last retry only
     `relay_attempts` times, so a dead relay hands over to the next board quickly."""
+    from stitch_core.versions.board.http import HttpBoard
+
     boards = [open_one(u) for u in urls]
     for b in boards[:-1]:
-        if hasattr(b, "attempts"):
-            b.attempts = max(1, min(b.attempts, relay_attempts))
-        if hasattr(b, "timeout"):
+        if isinstance(b, HttpBoard):
             import httpx
 
+            b.attempts = max(1, min(b.attempts, relay_attempts))
             b.timeout = httpx.Timeout(b.timeout.read or 30.0, connect=2.0)
     return FallbackBoard(boards)

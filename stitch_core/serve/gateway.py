@@ -223,7 +223,7 @@ class Gateway:
                 continue
             try:
                 if resp.status_code == 409:
-                    raw = await resp.aread()
+                    raw = b"".join([c async for c in resp.aiter_raw()])  # as sent
                     if _not_ready(raw):
                         engine.refused += 1
                         last_409 = (resp, raw, engine.id)

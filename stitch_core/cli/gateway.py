@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 
@@ -11,6 +12,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     """`stitch gateway`: serve until interrupted; returns the exit status."""
     from stitch_core.serve.gateway import Gateway, serve
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     url = a.url or f"http://{a.host}:{a.port}"
     gw = Gateway(a.run, a.nats, region=a.region, ttl=a.ttl, gateway_id=a.id, url=url,
                  max_wait=a.max_wait)

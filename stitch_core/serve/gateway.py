@@ -170,7 +170,7 @@ class Gateway:
                 try:
                     await self.start()
                 except Exception as e:
-                    log.exception("gateway: start failed")
+                    log.error("gateway %s: cannot start: %s", self.id, e)
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return
                 await send({"type": "lifespan.startup.complete"})

@@ -152,7 +152,7 @@ def test_headers_strong_etag_304_and_404_not_cacheable(origin, relay):
 
 
 def test_relay_one_upstream_fetch_per_object(origin, relay, tmp_path):
-    """32 concurrent downloads of each of a run's objects through the relay: the origin serves
+    """16 concurrent downloads of each of a run's objects through the relay: the origin serves
     each object once (proxy_cache_lock collapses the misses); Range reads come from the cache."""
     pub, _ = publish_versions(origin.root, 2)
     pub.close()
@@ -161,11 +161,11 @@ def test_relay_one_upstream_fetch_per_object(origin, relay, tmp_path):
     assert any(k.endswith("patch.stp") for k in keys) and len(keys) >= 5
 
     async def main():
-        boards = [HttpBoard(relay.url) for _ in range(32)]
+        boards = [HttpBoard(relay.url) for _ in range(16)]
         try:
             for key in keys:
                 want = (origin.root / key).read_bytes()
-                dests = [tmp_path / "dl" / f"{i}" / Path(key).name for i in range(32)]
+                dests = [tmp_path / "dl" / f"{i}" / Path(key).name for i in range(16)]
                 for dst in dests:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                 await asyncio.gather(*(b.get_file(key, dst, size=len(want))
@@ -350,13 +350,38 @@ def test_nats_leafnode_mirrors_objects_fetched_in_region(tmp_path):
         served, fetched = asyncio.run(main())
         pub.close()
         crossed = leaf_out() - before
-        # every read answered in the region (a mirror a moment behind the origin may make a
-        # follower fall back once; not here: objects land before `latest` moves)
+        print(f"leaf out_bytes {crossed:,}; patches fetched by the 4 followers "
+              f"{fetched:,}; reads answered by (region, origin): {served}")
+        # every read answered in the region: the mirrors had caught up before the followers
+        # started, and each version's objects reach them before its `latest` does (or a
+        # follower falls back to the origin for that read: allowed, rare, counted here)
         assert all(s[0] > 0 for s in served), served
-        snapshot = sum(p.numel() * 2 for p in params.values())
-        assert fetched > 0
-        # one copy of the snapshot and patches crossed the leaf, not one per follower
-        assert crossed < 1.6 * snapshot + 4 * 1e5, (crossed, snapshot, served)
+        assert sum(s[1] for s in served) <= 2, served
+        # about one copy of the patches (+ manifests, `latest`, protocol) crossed the leaf
+        # connection after the mirrors had caught up, not one per follower
+        assert fetched > 50_000 and crossed < 1.5 * fetched / 4 + 20_000, (crossed, fetched)
     finally:
         eu.stop()
         hub.stop()
+
+
+def test_relay_module_entry_point(origin, tmp_path):
+    """`python -m stitch_core.versions.relay http` (what `stitch relay http` runs) serves the
+    board through nginx until SIGTERM."""
+    import subprocess
+    import sys
+
+    find_nginx()
+    (origin.root / RUN).mkdir()
+    (origin.root / RUN / "latest").write_text("{}")
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "stitch_core.versions.relay", "http", "--origin",
+                          origin.url, "--port", str(port), "--dir", str(tmp_path / "r")],
+                         stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert "HTTP relay of" in p.stdout.readline()
+        status, h, body = get(f"http://127.0.0.1:{port}/{RUN}/latest")
+        assert status == 200 and body == b"{}" and h["Cache-Control"] == "no-cache"
+    finally:
+        p.terminate()
+        assert p.wait(10) == 0

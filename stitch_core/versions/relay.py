@@ -266,7 +266,8 @@ async def mirror_board(region_url: str, bucket: str = "stitch", *, origin_domain
     object store and KV read a mirror as they read the original: tests/test_relay.py). Each
     object crosses the leaf connection once, whatever the number of readers in the region. Waits
     up to `timeout` for the origin's streams to exist (a mirror of a missing stream does not
-    catch up promptly); an existing mirror is left as it is. Returns the streams mirrored."""
+    catch up promptly), then until each mirror holds what the origin held when it looked; an
+    existing mirror is left as it is. Returns the streams mirrored."""
     import nats
     from nats.js import api
     from nats.js.errors import NotFoundError
@@ -304,6 +305,14 @@ async def mirror_board(region_url: str, bucket: str = "stitch", *, origin_domain
                             f"{origin_domain})")
             await local.add_stream(cfg)
             done.append(name)
+        for name in done:  # caught up with what the origin held when we looked
+            want = (await origin.stream_info(name)).state.last_seq
+            deadline = time.monotonic() + timeout
+            while (await local.stream_info(name)).state.last_seq < want:
+                if time.monotonic() > deadline:
+                    raise RelayError(f"mirror {name} did not catch up with the origin within "
+                                     f"{timeout:.0f} s")
+                await asyncio.sleep(0.05)
         return done
     finally:
         await nc.close()

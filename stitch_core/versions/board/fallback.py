@@ -62,6 +62,7 @@ class FallbackBoard(Board):
             except TooLarge:
                 raise
             except NotFound as e:
+                log.debug("board %s: %s not found; trying the next", board.url, what)
                 errors.append(e)
                 continue
             except (BoardError, OSError) as e:

@@ -278,8 +278,8 @@ async def run(a: argparse.Namespace) -> dict:
     from fleet_load import make_model
 
     from stitch_core.versions.follower import Follower, MemoryReplica
-    from stitch_core.versions.natsserver import find_nats_server
-    from stitch_core.versions.relay import NginxRelay
+    from stitch_core.versions.natsserver import NatsServer, find_nats_server
+    from stitch_core.versions.relay import NginxRelay, hub_config, mirror_board, region_config
     from stitch_trainer.publisher import Publisher
 
     torch.set_num_threads(1)
@@ -305,45 +305,84 @@ async def run(a: argparse.Namespace) -> dict:
         board.stdout.readline()
         nport = 4222 if a.netns else free_port()
         (work / "js").mkdir()
-        nats = subprocess.Popen([*net.exec_prefix(), find_nats_server(), "-js", "-sd",
-                                 str(work / "js"), "-a", host, "-p", str(nport)],
+        lport = 7422 if a.netns else free_port()
+        mport = 8222 if a.netns else free_port()
+        conf = work / "origin.conf"
+        conf.write_text(hub_config(lport, domain="hub"))
+        cfg = ["-c", str(conf)] if a.board == "nats" else []
+        nats = subprocess.Popen([*net.exec_prefix(), find_nats_server(), *cfg, "-js",
+                                 "-sd", str(work / "js"), "-a", host, "-p", str(nport),
+                                 "-m", str(mport)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(nats)
         trainer_ip = net.origin_ip(a.regions)
         wait_port(trainer_ip, nport)
         wait_port(trainer_ip, bport)
         stats_url = f"http://{trainer_ip}:{bport}"
+        mon_url = f"http://{trainer_ip}:{mport}"
+
+        def origin_bytes() -> dict[str, int]:
+            """Board bytes the origin sent, per client address: HTTP bodies of the board
+            server, or (NATS board) the out_bytes of its leaf connections and of the
+            followers' board connections (not their announcement connections)."""
+            out: dict[str, int] = {}
+            if a.board == "http":
+                for ip, kinds in board_stats(stats_url).items():
+                    out[ip] = sum(v["bytes"] for v in kinds.values())
+                return out
+            for path, key in (("leafz", "leafs"), ("connz?limit=4096", "connections")):
+                with urllib.request.urlopen(f"{mon_url}/{path}", timeout=10) as r:
+                    for c in json.loads(r.read()).get(key) or []:
+                        if key == "leafs" or c.get("name") == "stitch-board":
+                            out[c["ip"]] = out.get(c["ip"], 0) + c["out_bytes"]
+            return out
         # each region reaches the origin through its WAN link and a delay proxy (RTT/2 each
         # way): the relay's upstream and the followers' NATS (announcements, heartbeats)
-        wan_http, wan_nats = [], []
+        wan_http, wan_nats, wan_leaf = [], [], []
         for k in range(a.regions):
-            hp, np_ = free_port(), free_port()
+            hp, np_, lp = free_port(), free_port(), free_port()
             px = subprocess.Popen([sys.executable, __file__, "--_proxy", str(rtts[k] / 2),
                                    f"{hp}:{net.origin_ip(k)}:{bport}",
-                                   f"{np_}:{net.origin_ip(k)}:{nport}"],
+                                   f"{np_}:{net.origin_ip(k)}:{nport}",
+                                   f"{lp}:{net.origin_ip(k)}:{lport}"],
                                   stdout=subprocess.PIPE, text=True)
             procs.append(px)
             assert px.stdout is not None
             px.stdout.readline()
             wan_http.append(f"http://127.0.0.1:{hp}")
             wan_nats.append(f"nats://127.0.0.1:{np_}")
+            wan_leaf.append(f"nats-leaf://127.0.0.1:{lp}")
         for k in range(a.regions):
-            r = NginxRelay(wan_http[k], free_port(), work / f"relay{k}")
+            if a.board == "http":
+                r = NginxRelay(wan_http[k], free_port(), work / f"relay{k}")
+            else:  # a region nats-server, leafnode of the origin's, JetStream domain r<k>
+                (work / f"region{k}.conf").write_text(region_config(wan_leaf[k],
+                                                                    domain=f"r{k}"))
+                r = NatsServer(work / f"region{k}", config=work / f"region{k}.conf")
             relays.append(r.start())
 
         params = make_model(a.params)
         opt = torch.optim.AdamW(list(params.values()), lr=a.lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(1)
-        pub = Publisher(str(board_dir), RUN, "bf16", nats=f"nats://{trainer_ip}:{nport}")
+        origin_board = str(board_dir) if a.board == "http" else \
+            f"nats://{trainer_ip}:{nport}/stitch"
+        pub = Publisher(origin_board, RUN, "bf16", nats=f"nats://{trainer_ip}:{nport}")
 
         def publish(step: int):
             return pub.publish(step, {k: v.detach() for k, v in params.items()})
 
         m0 = await asyncio.to_thread(lambda: publish(0).result(60))
+        if a.board == "nats" and not a.no_relay:
+            for r in relays:
+                await mirror_board(r.url, "stitch", origin_domain="hub", timeout=60)
         for k in range(a.regions):
             fs = []
             for i in range(a.per_region):
-                board = wan_http[k] if a.no_relay else f"{relays[k].url},{wan_http[k]}"
+                if a.board == "http":
+                    board = wan_http[k] if a.no_relay else f"{relays[k].url},{wan_http[k]}"
+                else:
+                    board = f"{wan_nats[k]}/stitch" if a.no_relay else \
+                        f"{relays[k].url}/stitch,{wan_nats[k]}/stitch"
                 f = Follower(board, RUN,
                              MemoryReplica(), nats=wan_nats[k],
                              cache_dir=work / "cache" / f"{k}-{i}", engine_id=f"r{k}f{i:02d}",
@@ -379,7 +418,7 @@ async def run(a: argparse.Namespace) -> dict:
             opt.step()
             rx0 = [net.rx_bytes(k) for k in range(a.regions)]
             tx0 = [net.tx_bytes(k) for k in range(a.regions)]
-            s0 = await asyncio.to_thread(board_stats, stats_url)
+            s0 = await asyncio.to_thread(origin_bytes)
             tp = time.perf_counter()
             info = await asyncio.to_thread(publish, step)
             m = await asyncio.to_thread(info.result, 60)
@@ -392,15 +431,13 @@ async def run(a: argparse.Namespace) -> dict:
                 catch_up = (tp + per_region[a.cut_region] - restored_at) \
                     if per_region[a.cut_region] is not None else None
             await asyncio.sleep(a.gap)
-            s1 = await asyncio.to_thread(board_stats, stats_url)
+            s1 = await asyncio.to_thread(origin_bytes)
             rx = [net.rx_bytes(k) - rx0[k] for k in range(a.regions)]
             tx = [net.tx_bytes(k) - tx0[k] for k in range(a.regions)]
             http = []
             for k in range(a.regions):
                 ip = net.origin_ip(k).rsplit(".", 1)[0] + ".2" if a.netns else "127.0.0.1"
-                b = sum(v["bytes"] for v in s1.get(ip, {}).values()) - \
-                    sum(v["bytes"] for v in s0.get(ip, {}).values())
-                http.append(b)
+                http.append(s1.get(ip, 0) - s0.get(ip, 0))
             lat = [h["current_at"] - h["announced_at"] for f in everyone for h in f.history
                    if h["version"] == m.version and h.get("announced_at") is not None]
             rows.append({
@@ -417,7 +454,7 @@ async def run(a: argparse.Namespace) -> dict:
         t_end = await current(everyone, a.versions, a.timeout)
         lost = sum(1 for f in everyone if f.applied != list(range(a.versions + 1)))
         skipped = sum(1 for f in everyone if f.applied[-1:] != [a.versions])
-        fetches = [r.upstream_fetches() for r in relays]
+        fetches = [r.upstream_fetches() if isinstance(r, NginxRelay) else {} for r in relays]
         normal = [r for r in rows if not r["cut"] and r["version"] not in
                   (range(cut_from, cut_from + a.cut_versions + 2) if cut_from else ())]
         all_s = [r["all_current_s"] for r in normal if r["all_current_s"] is not None]
@@ -425,7 +462,8 @@ async def run(a: argparse.Namespace) -> dict:
             "regions": a.regions, "per_region": a.per_region, "followers": len(everyone),
             "versions": a.versions, "params": sum(p.numel() for p in params.values()),
             "snapshot_bytes": m0.full_bytes, "netns": a.netns, "rtt_ms": rtts,
-            "wan_mbit": a.wan_mbit, "relays": not a.no_relay, "rows": rows, "relay_log": fetches,
+            "wan_mbit": a.wan_mbit, "relays": not a.no_relay, "board": a.board, "rows": rows,
+            "relay_log": fetches,
             "cut_region": a.cut_region if cut_from else None,
             "cut_versions": list(range(cut_from, cut_from + a.cut_versions)) if cut_from else [],
             "catch_up_after_restore_s": catch_up,
@@ -486,7 +524,7 @@ def report(r: dict, argv: list[str]) -> str:
            "| version | changed % | patch bytes | cut | publish → all current s | "
            + " | ".join(f"region {k} s" for k in range(r["regions"])) + " | "
            + " | ".join(f"WAN→region {k} bytes" for k in range(r["regions"])) + " | "
-           + " | ".join(f"origin HTTP→{k} bytes" for k in range(r["regions"])) + " |",
+           + " | ".join(f"origin board→{k} bytes" for k in range(r["regions"])) + " |",
            "|" + "---|" * (5 + 3 * r["regions"])]
     for x in r["rows"]:
         per = [x["per_region_s"].get(k, x["per_region_s"].get(str(k))) for k in
@@ -515,12 +553,16 @@ def summary(r: dict) -> str:
     http = r["origin_http_per_version_mean"]
     lines = [
         "| measure | value |", "|---|---|",
-        f"| fleet | {r['regions']} regions × {r['per_region']} followers (one process"
+        f"| fleet | {r.get('board', 'http').upper()} board; {r['regions']} regions × "
+        f"{r['per_region']} followers (one process"
         f"{'' if r['relays'] else '; NO relays: every follower reads the origin'}), "
         f"{r['params'] / 1e6:.2f}M params, {r['versions']} versions |",
         f"| WAN | {wan_mode(r)} |",
         f"| mean patch (object bytes per version) | {pb / 1e3:.1f} KB |",
-        "| origin HTTP body bytes per version, per region (relay ← origin) | "
+        ("| origin HTTP body bytes per version, per region (relay ← origin) | "
+         if r.get("board", "http") == "http" else
+         "| origin NATS board bytes per version, per region (leaf connection, or the followers' "
+         "board connections without relays) | ")
         + " / ".join(f"{b / 1e3:.1f} KB" for b in http)
         + f" = {sum(http) / pb:.2f} × patch in all (followers × patch would be "
           f"{r['followers']}×) |",
@@ -603,6 +645,9 @@ def main() -> None:
     ap.add_argument("--no-netns", action="store_true", help="loopback, no delay")
     ap.add_argument("--no-relay", action="store_true",
                     help="baseline: followers read the origin over the WAN directly")
+    ap.add_argument("--board", choices=["http", "nats"], default="http",
+                    help="http: a board directory served over HTTP, nginx relays; nats: a NATS "
+                         "board, region nats-servers as leafnodes with JetStream mirrors")
     ap.add_argument("--out", default="fleet", help="results/<out>.json/.md/.png")
     ap.add_argument("--readme", action="store_true", help="write the table into README.md")
     ap.add_argument("--json", action="store_true")

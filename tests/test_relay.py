@@ -385,3 +385,39 @@ def test_relay_module_entry_point(origin, tmp_path):
     finally:
         p.terminate()
         assert p.wait(10) == 0
+
+
+def test_fallback_waits_for_a_replica_behind_the_origin(tmp_path):
+    """A first board holding its own `latest` (a mirror) that is behind the origin's: the read
+    waits for it to catch up (so objects come from it), else returns the origin's."""
+    from stitch_core.versions.board.local import LocalBoard
+    from stitch_core.versions.manifest import Latest
+
+    near, far = tmp_path / "near", tmp_path / "far"
+
+    def at(v: int) -> Latest:
+        return Latest(run=RUN, version=v, kind="patch", updated="t")
+
+    async def main():
+        n, f = LocalBoard(str(near)), LocalBoard(str(far))
+        await n.move_latest(RUN, None, at(1))
+        await f.move_latest(RUN, None, at(2))
+        b = open_board(f"{near},{far}")
+        assert b.check_latest
+        b.latest_wait = 0.3
+        t0 = time.monotonic()
+        assert (await b.read_latest(RUN)).version == 2  # never caught up: the origin's word
+        assert 0.25 < time.monotonic() - t0 < 2 and b.behind == 1
+
+        async def catch_up():
+            await asyncio.sleep(0.1)
+            await n.move_latest(RUN, 1, at(2))
+
+        b.latest_wait = 5
+        task = asyncio.ensure_future(catch_up())
+        got = await b.read_latest(RUN)
+        await task
+        assert got.version == 2 and b.behind == 2
+        assert not open_board(f"http://127.0.0.1:1,{far}").check_latest  # HTTP relays pass it
+
+    asyncio.run(main())

@@ -8,12 +8,17 @@ version is published at the origin first). A board that failed with a connection
 skipped for `cooldown` seconds (its own retries are cut to `relay_attempts`), so a dead relay
 costs a follower one failed connect per cooldown, not one per read. TooLarge is final: the object
 is the same everywhere. `latest` is read the same way: through the relay (which never caches it;
-docs/relays.md), from the origin when the relay fails. Followers never write to a board, so a
+docs/relays.md), from the origin when the relay fails. A first board that keeps its own copy of
+`latest` (a JetStream mirror; not an HTTP relay) is also checked against the origin's: when it is
+behind, the read waits up to `latest_wait` seconds for it to catch up (then the version's objects
+are read from it as well) and else returns the origin's. Followers never write to a board, so a
 write, a delete or a `latest` move is refused (ReadOnlyBoard): publish to the origin.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,14 +43,22 @@ class FallbackBoard(Board):
 
     readonly = True
 
-    def __init__(self, boards: list[Board], *, cooldown: float = 10.0):
+    def __init__(self, boards: list[Board], *, cooldown: float = 10.0,
+                 check_latest: bool = False, latest_wait: float = 2.0):
         if not boards:
             raise BoardError("a fallback board needs at least one board")
         self.boards = boards
         self.url = ",".join(b.url for b in boards)
         self.cooldown = cooldown
         self._down_until = [0.0] * len(boards)
+        self._last = 0  # the board that answered the last read
         self.served: list[int] = [0] * len(boards)  # reads answered by each board (status)
+        # a replica that copies `latest` itself (a JetStream mirror) can be a moment behind the
+        # origin: then wait up to `latest_wait` for it to catch up, so the objects are read
+        # from it too, instead of a follower woken by an announcement finding nothing new
+        self.check_latest = check_latest
+        self.latest_wait = latest_wait
+        self.behind = 0  # reads of latest that waited for the replica, or read the origin
 
     def _order(self) -> list[int]:
         now = time.monotonic()
@@ -74,6 +87,7 @@ class FallbackBoard(Board):
                 continue
             self._down_until[i] = 0.0
             self.served[i] += 1
+            self._last = i
             return out
         if all(isinstance(e, NotFound) for e in errors):
             raise NotFound(f"{what}: not found on any of {self.url}")
@@ -106,9 +120,29 @@ class FallbackBoard(Board):
             return got
 
         try:
-            return await self._first(f"{run}/latest", one)
+            near = await self._first(f"{run}/latest", one)
         except NotFound:
             return None
+        if not self.check_latest or self._last_served() == len(self.boards) - 1:
+            return near
+        try:
+            far = await self.boards[-1].read_latest(run)
+        except (BoardError, OSError):
+            return near  # the origin is unreachable: the replica is what there is
+        if far is None or far.version <= near.version:
+            return near
+        self.behind += 1
+        deadline = time.monotonic() + self.latest_wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(BoardError, OSError):
+                got = await self.boards[self._last_served()].read_latest(run)
+                if got is not None and got.version >= far.version:
+                    return got
+        return far  # still behind: the origin's word; objects fall back to it on NotFound
+
+    def _last_served(self) -> int:
+        return self._last
 
     async def list_versions(self, run: str) -> list[int] | None:
         for i in self._order():
@@ -147,4 +181,7 @@ def open_fallback(urls: list[str], open_one: Callable[[str], Board], *,
 
             b.attempts = max(1, min(b.attempts, relay_attempts))
             b.timeout = httpx.Timeout(b.timeout.read or 30.0, connect=2.0)
-    return FallbackBoard(boards)
+    # an HTTP relay passes `latest` through to the origin (never cached: docs/relays.md), so
+    # only a replica that holds its own copy (a NATS mirror, a directory) is checked against
+    # the origin's
+    return FallbackBoard(boards, check_latest=not isinstance(boards[0], HttpBoard))

@@ -2,7 +2,7 @@
 """Fleet across regions: one origin, three regions each with an nginx relay, 30+ followers.
 
     sudo .venv/bin/python benchmarks/fleet.py [--regions 3] [--per-region 10] [--versions 20]
-                                              [--readme] [--json]
+                                              [--board http|nats] [--no-relay] [--readme]
 
 The origin (a board directory served by ``stitch_core.versions.board.serve``, counting the
 bytes it sends to each client address, and a ``nats-server`` with JetStream) runs in its own
@@ -15,11 +15,17 @@ the config `stitch relay http` writes) whose upstream is the origin over that re
 and ``--per-region`` followers (``Follower`` + ``MemoryReplica``: the weights in memory, every
 fingerprint checked at every step; one process, one event loop, engine defaults: reconcile 5 s,
 heartbeat 2 s) told ``STITCH_BOARD=http://relay,http://origin`` (the relay, falling back to the
-origin) and the origin's NATS over the WAN for announcements.
+origin) and the origin's NATS over the WAN for announcements. ``--board nats``: the trainer
+publishes to a NATS board on the origin's nats-server (JetStream domain ``hub``, a leafnode
+port), each region runs a nats-server that is a leafnode of it over the region's link, holding
+JetStream mirrors of the board (``relay.region_config`` + ``relay.mirror_board``), and followers
+are told ``nats://region/stitch,nats://origin/stitch``. ``--no-relay``: every follower reads the
+origin over the WAN (the baseline).
 
 Measured per version: WAN bytes (the veth counters of each region's link, everything that
-crossed: HTTP to the relay, NATS announcements and heartbeats, TCP/IP overhead; and the origin
-server's HTTP body bytes per region), publish() -> every follower current, per region. A region
+crossed: HTTP to the relay, NATS announcements and heartbeats, TCP/IP overhead; and the origin's
+board bytes per region: HTTP bodies, or NATS leaf + board-connection out_bytes from the
+nats-server's /leafz and /connz), publish() -> every follower current, per region. A region
 is cut off (``--cut-region``: its link set down) for ``--cut-versions`` versions and then
 restored: its followers keep serving what they hold, the others go on; the time from restore
 to that region being current is measured. Without ``ip netns`` (not root, no CAP_NET_ADMIN) the

@@ -421,3 +421,50 @@ def test_fallback_waits_for_a_replica_behind_the_origin(tmp_path):
         assert not open_board(f"http://127.0.0.1:1,{far}").check_latest  # HTTP relays pass it
 
     asyncio.run(main())
+
+
+def test_nats_relay_entry_point_mirrors_the_board(tmp_path):
+    """`python -m stitch_core.versions.relay hub-config` for the origin, `... nats --leaf-of`
+    for the region: the region's server comes up as a leafnode, makes the board's mirrors once
+    the origin has the board, and a NatsBoard on it reads the origin's versions."""
+    import subprocess
+    import sys
+
+    from stitch_core.versions.board.nats import NatsBoard
+    from stitch_core.versions.natsserver import NatsServer
+
+    leaf_port = free_port()
+    conf = subprocess.run([sys.executable, "-m", "stitch_core.versions.relay", "hub-config",
+                           "--leaf-port", str(leaf_port)], check=True, capture_output=True,
+                          text=True, cwd=tmp_path).stdout
+    assert "domain: hub" in conf and f"port: {leaf_port}" in conf
+    (tmp_path / "hub.conf").write_text(conf)
+    hub = NatsServer(tmp_path / "hub", config=tmp_path / "hub.conf").start()
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "stitch_core.versions.relay", "nats",
+                          "--leaf-of", f"nats-leaf://127.0.0.1:{leaf_port}", "--domain", "eu",
+                          "--port", str(port), "--dir", str(tmp_path / "eu")],
+                         stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert "NATS relay (leafnode of" in p.stdout.readline()
+        from stitch_trainer.publisher import Publisher
+
+        pub = Publisher(f"{hub.url}/stitch", RUN, "bf16")
+        pub.publish(0, {k: v.detach() for k, v in make_model(n=1).items()}).result(30)
+        pub.close()
+        deadline = time.monotonic() + 30
+        while "mirroring OBJ_stitch, KV_stitch_latest" not in (line := p.stdout.readline()):
+            assert time.monotonic() < deadline and line, line
+
+        async def read():
+            b = NatsBoard(f"nats://127.0.0.1:{port}/stitch")
+            try:
+                return await b.read_latest(RUN)
+            finally:
+                await b.close()
+
+        assert asyncio.run(read()).version == 0
+    finally:
+        p.terminate()
+        assert p.wait(15) == 0
+        hub.stop()

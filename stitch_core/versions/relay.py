@@ -318,8 +318,9 @@ async def mirror_board(region_url: str, bucket: str = "stitch", *, origin_domain
         await nc.close()
 
 
-def run_relay(server: NginxRelay, what: str) -> int:
-    """Run a relay until Ctrl-C/SIGTERM; returns an exit status (1: the relay died)."""
+def run_relay(server, what: str, after_start=None) -> int:
+    """Run a relay (an NginxRelay or a NatsServer) until Ctrl-C/SIGTERM, calling
+    `after_start(server)` once it is up; returns an exit status (1: the relay died)."""
 
     def _term(signum, frame):
         raise KeyboardInterrupt
@@ -330,6 +331,8 @@ def run_relay(server: NginxRelay, what: str) -> int:
     try:
         server.start()
         print(f"{what}: {server.url}", flush=True)
+        if after_start is not None:
+            after_start(server)
         print("Ctrl-C to stop.", flush=True)
         while server.running:
             time.sleep(0.5)
@@ -343,9 +346,35 @@ def run_relay(server: NginxRelay, what: str) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _mirror_in_background(bucket: str, origin_domain: str):
+    """after_start for a region nats-server: make the board's mirrors once the origin has the
+    board's streams (retried every few seconds until then), in a daemon thread."""
+    import threading
+
+    def start(server) -> None:
+        def work() -> None:
+            while server.running:
+                try:
+                    done = asyncio.run(mirror_board(server.url, bucket,
+                                                    origin_domain=origin_domain, timeout=10))
+                except Exception as e:  # noqa: BLE001 - the origin has no board yet, or is away
+                    print(f"mirrors of {bucket!r} not made yet ({e}); retrying", flush=True)
+                    time.sleep(5)
+                    continue
+                print(f"mirroring {', '.join(done)} from JetStream domain {origin_domain!r}",
+                      flush=True)
+                return
+
+        threading.Thread(target=work, daemon=True, name="stitch-mirror").start()
+
+    return start
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m stitch_core.versions.relay http --origin URL [--port N] [--dir D]`: the same
-    as `stitch relay http`."""
+    """`python -m stitch_core.versions.relay http --origin URL [--port N] [--dir D]` (the same
+    as `stitch relay http`), `... nats --leaf-of nats-leaf://origin:7422 --domain eu [--port N]
+    [--dir D] [--mirror BUCKET]` (a region's nats-server, leafnode of the origin's, with the
+    board's mirrors) and `... hub-config --leaf-port 7422` (the origin's config lines)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m stitch_core.versions.relay",
@@ -357,7 +386,34 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--dir", default="./stitch-relay", help="cache, logs and nginx.conf")
     h.add_argument("--max-cache", default=DEFAULT_MAX_CACHE, help="proxy_cache max_size")
+    n = sub.add_parser("nats")
+    n.add_argument("--leaf-of", required=True, help="the origin's leafnode URL, "
+                                                    "e.g. nats-leaf://origin:7422")
+    n.add_argument("--domain", required=True, help="this region's JetStream domain, e.g. eu")
+    n.add_argument("--origin-domain", default="hub", help="the origin's JetStream domain")
+    n.add_argument("--port", type=int, default=4222)
+    n.add_argument("--host", default="127.0.0.1")
+    n.add_argument("--dir", default="./stitch-relay-nats", help="JetStream store, config, log")
+    n.add_argument("--mirror", metavar="BUCKET", default="stitch",
+                   help="mirror this NATS board (OBJ_<bucket>, KV_<bucket>_latest); '' for none")
+    c = sub.add_parser("hub-config")
+    c.add_argument("--leaf-port", type=int, default=7422)
+    c.add_argument("--domain", default="hub")
     a = ap.parse_args(argv)
+    if a.kind == "hub-config":
+        print(hub_config(a.leaf_port, domain=a.domain), end="")
+        return 0
+    if a.kind == "nats":
+        from stitch_core.versions.natsserver import NatsServer
+
+        d = Path(a.dir).expanduser().resolve()
+        d.mkdir(parents=True, exist_ok=True)
+        conf = d / "region.conf"
+        conf.write_text(region_config(a.leaf_of, domain=a.domain))
+        server = NatsServer(d, port=a.port, host=a.host, config=conf)
+        after = _mirror_in_background(a.mirror, a.origin_domain) if a.mirror else None
+        return run_relay(server, f"NATS relay (leafnode of {a.leaf_of}, JetStream domain "
+                                 f"{a.domain!r})", after)
     relay = NginxRelay(a.origin, a.port, Path(a.dir), host=a.host, max_cache=a.max_cache)
     return run_relay(relay, f"HTTP relay of {a.origin} (nginx, cache in {relay.dir})")
 

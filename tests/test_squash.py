@@ -237,3 +237,42 @@ async def test_gc_deletes_the_spans_of_the_versions_it_deletes(tmp_path):
     assert all(n.startswith("000008/") for n in left), left  # spans of deleted versions too
     # v8 keeps its spans: a follower still at v5 or v6 takes one
     assert await span_bases(board, RUN, 8) == [5, 6]
+
+
+async def test_a_restarted_squasher_keeps_what_is_there_and_replaces_orphans(tmp_path):
+    board_dir = tmp_path / "board"
+    views = _publish(board_dir, 6)
+    board = LocalBoard(board_dir)
+    await _squash_all(Squasher(board, RUN, tmp_path / "cache", horizon=4))
+    vdir = board_dir / RUN / "versions" / "000005"
+    kept = (vdir / "span-000001.json").read_bytes()
+    (vdir / "span-000002.json").unlink()  # killed between the object and its document
+    (vdir / "span-000002.stp").write_bytes(b"partial")
+    await _squash_all(Squasher(board, RUN, tmp_path / "cache2", horizon=4))
+    assert (vdir / "span-000001.json").read_bytes() == kept
+    assert await span_bases(board, RUN, 5) == [1, 2, 3]
+    rep = MemoryReplica()
+    f = Follower(str(board_dir), RUN, rep, cache_dir=tmp_path / "c")
+    await f.catch_up(2)
+    await f.catch_up(5)
+    assert _equal(rep.tensors, views[5]) and f.history[-1]["kind"] == "span"
+    await f.stop()
+
+
+def test_merge_matches_a_dense_reference():
+    from stitch_core.versions.squash import _Diff, _merge
+
+    g = torch.Generator().manual_seed(3)
+    n = 5000
+    states = [torch.randint(0, 4, (n,), generator=g, dtype=torch.int16)]
+    for _ in range(12):  # few values: positions often change back
+        nxt = states[-1].clone()
+        idx = torch.randperm(n, generator=g)[:400]
+        nxt[idx] = torch.randint(0, 4, (400,), generator=g, dtype=torch.int16)
+        states.append(nxt)
+    d = _Diff(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int16))
+    for prev, cur in zip(states, states[1:], strict=False):
+        pos = torch.nonzero(prev != cur).reshape(-1)
+        d = _merge(d, pos, prev[pos], cur)
+    want = torch.nonzero(states[0] != states[-1]).reshape(-1)
+    assert torch.equal(d.pos, want) and torch.equal(d.bits, states[0][want])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,15 @@ from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import PatchBuilder, apply_entry, chunk_list
 from stitch_core.versions.board.base import Board, NotFound
-from stitch_core.versions.manifest import Manifest, Span, SpanIndex, span_index_key, span_object
+from stitch_core.versions.manifest import (
+    Manifest,
+    Span,
+    SpanIndex,
+    span_index_key,
+    span_key,
+    span_object,
+    version_dir,
+)
 from stitch_core.versions.materialize import open_patch
 from stitch_core.versions.store import (
     VersionError,
@@ -84,21 +93,28 @@ class SquashReport:
 
 
 def _merge(old: _Diff, pos: torch.Tensor, bits: torch.Tensor, new_iv: torch.Tensor) -> _Diff:
-    """`old` after a step that changed `pos` (whose bits before the step were `bits`) and left
-    the newest bits `new_iv`: a position already in `old` keeps its older bits, then positions
-    whose bits are back to the newest drop out."""
+    """`old` after a step that changed `pos` (sorted; their bits before the step were `bits`)
+    and left the newest bits `new_iv`: a position already in `old` keeps its older bits, then
+    positions whose bits are back to the newest drop out. A merge of two sorted lists by
+    binary search (no sort of the union)."""
     if not pos.numel():
         return old
     if not old.count:
         mpos, mbits = pos, bits
     else:
-        cat_pos = torch.cat([old.pos, pos])
-        cat_bits = torch.cat([old.bits, bits])
-        mpos, inv = torch.unique(cat_pos, sorted=True, return_inverse=True)
-        order = torch.arange(cat_pos.numel(), dtype=torch.int64)
-        first = torch.full((mpos.numel(),), cat_pos.numel(), dtype=torch.int64)
-        first.scatter_reduce_(0, inv, order, reduce="amin")
-        mbits = cat_bits[first]
+        at = torch.searchsorted(old.pos, pos)
+        hit = at < old.count
+        hit[hit.clone()] = old.pos[at[hit]] == pos[hit]
+        add_pos, add_bits = pos[~hit], bits[~hit]
+        n = old.count + add_pos.numel()
+        # final index of each element: its rank in its own list + the other list's elements
+        # before it (positions are unique across the two lists now)
+        i_old = torch.arange(old.count) + torch.searchsorted(add_pos, old.pos)
+        i_add = torch.arange(add_pos.numel()) + torch.searchsorted(old.pos, add_pos)
+        mpos = torch.empty(n, dtype=torch.int64)
+        mbits = torch.empty(n, dtype=old.bits.dtype)
+        mpos[i_old], mbits[i_old] = old.pos, old.bits
+        mpos[i_add], mbits[i_add] = add_pos, add_bits
     keep = mbits != new_iv[mpos]
     return _Diff(mpos[keep], mbits[keep])
 
@@ -109,12 +125,13 @@ class Squasher:
 
     def __init__(self, board: Board, run: str, cache: Path, *, horizon: int = DEFAULT_HORIZON,
                  signer: SigningKey | None = None, trust: TrustSet | None = None,
-                 keep_targets: int = KEEP_TARGETS):
+                 keep_targets: int = KEEP_TARGETS, workers: int | None = None):
         if horizon < 2:
             raise ValueError("horizon must be at least 2 (a span of one version is its patch)")
         self.board, self.run, self.cache = board, run, Path(cache)
         self.horizon, self.signer, self.trust = horizon, signer, trust
         self.keep_targets = max(1, keep_targets)
+        self.workers = workers or min(4, os.cpu_count() or 1)
         self.version: int | None = None
         self.manifests: dict[int, Manifest] = {}  # the window's and the newest one's
         self.state: dict[str, torch.Tensor] = {}  # newest version's integer bit views (flat)
@@ -241,37 +258,48 @@ class Squasher:
         return out.stat().st_size, sum(e.changed for e in header.tensors)
 
     async def _write_spans(self, report: SquashReport) -> None:
+        """Build and upload the spans to the held version, `workers` at a time (the codec's
+        kernels release the GIL). A span already on the board (a restarted squasher) is kept;
+        an object left without its document by a killed one is replaced."""
         target = self.manifests[self.version]
+        bases = [b for b in sorted(self.window, reverse=True)
+                 if b != target.parent and b in self.manifests]  # not the version's own patch
+        gate = asyncio.Semaphore(self.workers)
         written: list[int] = []
-        with tempfile.TemporaryDirectory(prefix="stitch-squash-") as tmp:
-            for base in sorted(self.window, reverse=True):
-                chain = self.chain_bytes.get(base, 0)
-                if base == target.parent or base not in self.manifests:
-                    continue  # a span of one version is the version's own patch
-                path = Path(tmp) / span_object(base)
-                size, changed = await asyncio.to_thread(self._build, base, path)
-                if size >= chain:
-                    report.skipped.append({"base": base, "why": f"{size} bytes, not smaller "
-                                           f"than the chain's {chain}"})
-                    path.unlink()
-                    continue
-                sp = Span(run=self.run, base=base, version=self.version,
-                          base_digest=self.manifests[base].digest, digest=target.digest,
-                          objects=[object_ref(path, "patch")], changed_elements=changed,
-                          created=now(), producer=f"stitch-rl {__version__} squash")
-                await write_span(self.board, sp, {path.name: path}, self.signer)
-                path.unlink()
+
+        async def one(base: int, tmp: Path) -> None:
+            if await self.board.exists(span_key(self.run, self.version, base)):
                 written.append(base)
-                report.spans.append({"base": base, "bytes": size, "changed": changed,
-                                     "chain_bytes": chain})
+                return
+            chain = self.chain_bytes.get(base, 0)
+            path = tmp / span_object(base)
+            async with gate:
+                size, changed = await asyncio.to_thread(self._build, base, path)
+            if size >= chain:
+                report.skipped.append({"base": base, "why": f"{size} bytes, not smaller "
+                                       f"than the chain's {chain}"})
+                return
+            obj = f"{version_dir(self.run, self.version)}/{path.name}"
+            if not self.board.readonly and await self.board.exists(obj):
+                await self.board.delete(obj)  # a killed squasher's, without its document
+            sp = Span(run=self.run, base=base, version=self.version,
+                      base_digest=self.manifests[base].digest, digest=target.digest,
+                      objects=[object_ref(path, "patch")], changed_elements=changed,
+                      created=now(), producer=f"stitch-rl {__version__} squash")
+            await write_span(self.board, sp, {path.name: path}, self.signer)
+            path.unlink()
+            written.append(base)
+            report.spans.append({"base": base, "bytes": size, "changed": changed,
+                                 "chain_bytes": chain})
+
+        with tempfile.TemporaryDirectory(prefix="stitch-squash-") as tmp:
+            await asyncio.gather(*(one(b, Path(tmp)) for b in bases))
+        report.spans.sort(key=lambda r: r["base"])
+        key = span_index_key(self.run, self.version)
         idx = SpanIndex(run=self.run, version=self.version, bases=sorted(written))
-        try:
-            await self.board.put(span_index_key(self.run, self.version),
-                                 idx.model_dump_json().encode())
-        except Exception as e:  # noqa: BLE001 - written before: same content, or an error
-            if not await self.board.exists(span_index_key(self.run, self.version)):
-                raise
-            log.debug("span index of v%d already there: %s", self.version, e)
+        if not self.board.readonly and await self.board.exists(key):
+            await self.board.delete(key)  # a restarted squasher's: rewritten as it is now
+        await self.board.put(key, idx.model_dump_json().encode())
         self.targets.append(self.version)
 
     async def _delete_old(self, report: SquashReport) -> None:
@@ -321,7 +349,8 @@ class Squasher:
                         self.run, self.version, latest.version)
             await self._load(latest.version)
             return SquashReport(version=latest.version)
-        for m in reversed(todo):
+        todo.reverse()
+        for i, m in enumerate(todo):
             try:
                 await self._advance(m)
             except SquashError as e:
@@ -330,6 +359,8 @@ class Squasher:
                 report = SquashReport(version=m.version)
                 continue
             report = SquashReport(version=m.version)
+            if i < len(todo) - self.keep_targets:
+                continue  # behind: only the newest targets' spans would be kept
             await self._write_spans(report)
             await self._delete_old(report)
             log.info("squash %s v%d: %d spans (%s bytes), %d skipped, %d old objects deleted",

@@ -260,3 +260,56 @@ def test_stitch_log_lines_are_in_the_engine_log(stack):
     log = stack["server"].tail(100000)
     assert log.count("STITCH_TRUST is not set: this engine trusts the board") == 1, log[-3000:]
     assert "verified on 1 rank(s)" in log, log[-3000:]
+
+
+def test_an_engine_behind_catches_up_through_one_span(stack):
+    """Kept last in the module (it moves the trainer to another publisher). Four versions are
+    published on a copy of the board and squashed there (`stitch squash`'s Squasher), then appear
+    on the engine's board at once: `latest` jumps by four. The engine plans one span from its
+    version, applies it in one pause, and serves exactly the newest version."""
+    import shutil
+
+    from stitch_core.versions.manifest import Latest
+    from stitch_core.versions.squash import Squasher
+    from stitch_core.versions.store import read_span
+    from stitch_trainer import Publisher
+
+    server, trainer, root = stack["server"], stack["trainer"], stack["root"]
+    held = server.status()["version"]
+    staging = root / "staging"
+    shutil.copytree(root / "board", staging)
+    view = trainer.view()
+    trainer.pub.close()
+    trainer.pub = Publisher(str(staging), RUN, "bf16")
+    trainer.pub.resume_from(held, view, fpr.state_fingerprints(view))
+    new = [trainer.publish() for _ in range(4)]
+    target = new[-1]
+    assert new == list(range(held + 1, held + 5))
+    sq = Squasher(LocalBoard(staging), RUN, root / "squash-cache", horizon=8)
+    while asyncio.run(sq.step()) is not None:
+        pass
+    span = asyncio.run(read_span(LocalBoard(staging), RUN, target, held))
+    assert span is not None and span.changed_elements > 0
+    for v in new:  # objects, then manifests, then latest: as a publisher stores them
+        d = f"{RUN}/versions/{v:06d}"
+        (root / "board" / d).mkdir(parents=True)
+        files = sorted((staging / d).iterdir(), key=lambda p: p.name.endswith(".json"))
+        for f in files:
+            shutil.copy2(f, root / "board" / d / f.name)
+    latest = Latest.model_validate_json((staging / RUN / "latest").read_text())
+    asyncio.run(LocalBoard(root / "board").move_latest(RUN, held, latest))
+    before = server.status()["patch_bytes_total"]
+    r = server.complete(PROMPTS[0], {"X-Stitch-Version": str(target), "X-Stitch-Wait": "120"})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Stitch-Version-Start"] == str(target)
+    st = server.status()
+    assert st["version"] == target and st["state"] == "serving"
+    assert st["patch_bytes_total"] - before == span.bytes  # the span alone, not the chain
+    assert st["last_apply"]["changed"] == span.changed_elements
+    log = server.tail(100000)
+    assert f"now at {RUN} v{target} (span from {held}," in log, log[-3000:]
+    assert f"now at {RUN} v{held + 1} " not in log
+    m = asyncio.run(read_manifest(LocalBoard(root / "board"), RUN, target))
+    assert m.fingerprints == fpr.state_fingerprints(trainer.view())
+    check = server.http.post("/stitch/verify").json()
+    assert check["ok"] is True

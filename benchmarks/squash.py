@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from adam_data import Gradients, init_masters, shape_for  # noqa: E402
 
 from stitch_core.format.fingerprint import state_fingerprints  # noqa: E402

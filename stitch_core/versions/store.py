@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -33,6 +33,7 @@ from stitch_core.versions.manifest import (
 from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
 
 log = logging.getLogger("stitch.store")
+M = TypeVar("M", Manifest, Span)
 
 
 class VersionError(BoardError):
@@ -124,19 +125,26 @@ def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:
     return _checked(trust, m, "manifest", f"{m.run} v{m.version}", m.version)
 
 
+async def _read_doc(board: Board, key: str, model: type[M], limit: int, what: str) -> M:
+    """The document at `key` parsed strictly as `model`; VersionError (naming `what`) if it is
+    over `limit` bytes or malformed (unusable alike: the planner may route around it)."""
+    try:
+        raw = await board.get(key, limit)
+    except TooLarge as e:
+        raise VersionError(f"{what} refused: {e}") from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = " ".join(str(e).splitlines()[:3])
+        raise VersionError(f"malformed {what}: {first}") from None
+
+
 async def read_manifest(board: Board, run: str, version: int,
                         trust: TrustSet | None = None) -> Manifest:
     """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced,
     RefusedVersion if a trust set is given and does not accept its signature."""
-    try:
-        raw = await board.get(manifest_key(run, version), MAX_MANIFEST_BYTES)
-    except TooLarge as e:  # unusable like a malformed one: the planner may route around it
-        raise VersionError(f"manifest of {run} v{version} refused: {e}") from None
-    try:
-        m = Manifest.model_validate_json(raw)
-    except ValidationError as e:
-        first = " ".join(str(e).splitlines()[:3])
-        raise VersionError(f"malformed manifest for {run} v{version}: {first}") from None
+    m = await _read_doc(board, manifest_key(run, version), Manifest, MAX_MANIFEST_BYTES,
+                        f"manifest of {run} v{version}")
     if m.run != run or m.version != version:
         raise VersionError(f"manifest at {run} v{version} describes {m.run} v{m.version} "
                            "(foreign or misplaced)")
@@ -190,22 +198,16 @@ async def read_span(board: Board, run: str, version: int, base: int,
                     trust: TrustSet | None = None) -> Span | None:
     """The span from `base` straight to `version`, if the board holds one (None if not);
     VersionError if malformed or misplaced, RefusedVersion if the trust set refuses it."""
+    what = f"span {run} v{base}->v{version}"
     try:
-        raw = await board.get(span_key(run, version, base), MAX_SPAN_BYTES)
+        sp = await _read_doc(board, span_key(run, version, base), Span, MAX_SPAN_BYTES, what)
     except NotFound:
         return None
-    except TooLarge as e:
-        raise VersionError(f"span {run} v{base}->v{version} refused: {e}") from None
-    try:
-        sp = Span.model_validate_json(raw)
-    except ValidationError as e:
-        first = " ".join(str(e).splitlines()[:3])
-        raise VersionError(f"malformed span {run} v{base}->v{version}: {first}") from None
     if (sp.run, sp.base, sp.version) != (run, base, version):
         raise VersionError(f"span at {run} v{base}->v{version} describes {sp.run} "
                            f"v{sp.base}->v{sp.version} (foreign or misplaced)")
     if trust:
-        _checked(trust, sp, "span", f"span {run} v{base}->v{version}", version)
+        _checked(trust, sp, "span", what, version)
     return sp
 
 

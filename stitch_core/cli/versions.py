@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -161,17 +162,25 @@ def _at_least_one(s: str) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    """`stitch status`: the fleet table from engine heartbeats; returns the exit status."""
-    from stitch_core.versions.announce import connect, fleet
+    """`stitch status`: the fleet table from engine heartbeats (and the gateways'); returns the
+    exit status."""
+    from stitch_core.versions.announce import connect, fleet, gateways
 
     async def go():  # connect(): $STITCH_NATS_CREDS and $STITCH_NATS_TLS_* apply
         nc = await connect(a.nats, name="stitch-status")
         try:
-            return await fleet(nc.jetstream(), a.run)
+            js = nc.jetstream()
+            hbs = await fleet(js, a.run)
+            try:  # a user without rights on the gateway stream still sees the engines
+                gws = await gateways(js, a.run)
+            except Exception as e:  # noqa: BLE001
+                print(f"stitch status: cannot read the gateways of {a.run}: {e}", file=sys.stderr)
+                gws = []
+            return hbs, gws
         finally:
             await nc.close()
 
-    hbs = asyncio.run(go())
+    hbs, gws = asyncio.run(go())
     now = time.time()
     if a.json:
         print(
@@ -180,6 +189,9 @@ def cmd_status(a: argparse.Namespace) -> int:
                     "run": a.run,
                     "engines": [
                         {**h.model_dump(), "last_seen_seconds": round(now - h.time, 3)} for h in hbs
+                    ],
+                    "gateways": [
+                        {**g.model_dump(), "last_seen_seconds": round(now - g.time, 3)} for g in gws
                     ],
                 }
             )
@@ -196,6 +208,13 @@ def cmd_status(a: argparse.Namespace) -> int:
         )
     if not hbs:
         print(f"(no engine has reported for run {a.run})")
+    if gws:
+        print(f"\n{'gateway':<28} {'engines':>7} {'versions':<12} {'in flight':>9} "
+              f"{'last seen':>10}  url")
+    for g in gws:
+        vs = ",".join(map(str, g.versions)) or "-"
+        print(f"{g.id:<28} {g.engines:>7} {vs:<12} {g.in_flight:>9} {now - g.time:>9.1f}s  "
+              f"{g.url or ''}")
     return 0
 
 
@@ -272,3 +291,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="connections served at once (one thread each; more wait in the queue)")
     sv.set_defaults(fn=cmd_board_serve)
 
+    from stitch_core.versions import relay
+
+    rl = sub.add_parser("relay", help="a region's relay of a board: nginx for HTTP boards, a "
+                                      "leafnode nats-server with mirrors for NATS (docs/relays.md)")
+    relay.add_parsers(rl.add_subparsers(dest="relay_cmd", required=True))

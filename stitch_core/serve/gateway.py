@@ -86,8 +86,14 @@ class Gateway:
         now = time.time()
         for hb in await announce.fleet(js, self.run):
             self.table.observe(hb, age=now - hb.time)
-        await announce.ensure_gateways_stream(js, self.run)
-        self._tasks.append(asyncio.create_task(self._heartbeats(js)))
+        try:
+            await announce.ensure_gateways_stream(js, self.run)
+        except Exception as e:  # noqa: BLE001 - e.g. no right to create it: route anyway
+            log.warning("gateway %s: no heartbeats of its own (stitch status will not list it):"
+                        " %s", self.id, e)
+        else:
+            self._tasks.append(asyncio.create_task(self._heartbeats(js)))
+        self._tasks.append(asyncio.create_task(self._prune()))
         log.info("gateway %s: run %s, %d engine(s) routable", self.id, self.run,
                  len(self.table.live()))
 
@@ -98,13 +104,14 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        if self._nc is not None:
+        nc, self._nc = self._nc, None
+        if nc is not None:  # only a plain subscription: nothing to drain
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._nc.drain(), 5.0)
-            self._nc = None
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+                await asyncio.wait_for(nc.close(), 5.0)
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.aclose(), 5.0)
 
     async def _on_heartbeat(self, msg: Any) -> None:
         try:
@@ -115,9 +122,13 @@ class Gateway:
             return
         self.table.observe(hb)
 
-    async def _heartbeats(self, js: Any) -> None:
+    async def _prune(self) -> None:
         while True:
             self.table.prune()
+            await asyncio.sleep(self.table.ttl)
+
+    async def _heartbeats(self, js: Any) -> None:
+        while True:
             st = self.status()
             with contextlib.suppress(Exception):
                 await announce.publish_gateway_heartbeat(js, announce.GatewayHeartbeat(

@@ -291,3 +291,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     help="connections served at once (one thread each; more wait in the queue)")
     sv.set_defaults(fn=cmd_board_serve)
 
+    from stitch_core.versions import relay
+
+    rl = sub.add_parser("relay", help="a region's relay of a board: nginx for HTTP boards, a "
+                                      "leafnode nats-server with mirrors for NATS (docs/relays.md)")
+    relay.add_parsers(rl.add_subparsers(dest="relay_cmd", required=True))

@@ -14,6 +14,7 @@ that make any CDN safe, and the limits: docs/relays.md.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -370,23 +371,19 @@ def _mirror_in_background(bucket: str, origin_domain: str):
     return start
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m stitch_core.versions.relay http --origin URL [--port N] [--dir D]` (the same
-    as `stitch relay http`), `... nats --leaf-of nats-leaf://origin:7422 --domain eu [--port N]
-    [--dir D] [--mirror BUCKET]` (a region's nats-server, leafnode of the origin's, with the
-    board's mirrors) and `... hub-config --leaf-port 7422` (the origin's config lines)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m stitch_core.versions.relay",
-                                 description="a region's HTTP relay of a board (nginx cache)")
-    sub = ap.add_subparsers(dest="kind", required=True)
-    h = sub.add_parser("http")
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """The relay verbs (`http`, `nats`, `hub-config`) under `sub`: `stitch relay ...` and
+    `python -m stitch_core.versions.relay ...` are the same parser."""
+    h = sub.add_parser("http", help="nginx caching the board's immutable objects: one upstream "
+                                    "fetch per object for the whole region")
     h.add_argument("--origin", required=True, help="the board's URL, e.g. http://origin:8000")
     h.add_argument("--port", type=int, default=8080)
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--dir", default="./stitch-relay", help="cache, logs and nginx.conf")
     h.add_argument("--max-cache", default=DEFAULT_MAX_CACHE, help="proxy_cache max_size")
-    n = sub.add_parser("nats")
+    h.set_defaults(fn=_run_http)
+    n = sub.add_parser("nats", help="a region's nats-server: leafnode of the origin's, holding "
+                                    "JetStream mirrors of the board")
     n.add_argument("--leaf-of", required=True, help="the origin's leafnode URL, "
                                                     "e.g. nats-leaf://origin:7422")
     n.add_argument("--domain", required=True, help="this region's JetStream domain, e.g. eu")
@@ -396,26 +393,46 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--dir", default="./stitch-relay-nats", help="JetStream store, config, log")
     n.add_argument("--mirror", metavar="BUCKET", default="stitch",
                    help="mirror this NATS board (OBJ_<bucket>, KV_<bucket>_latest); '' for none")
-    c = sub.add_parser("hub-config")
+    n.set_defaults(fn=_run_nats)
+    c = sub.add_parser("hub-config", help="print the origin nats-server's leafnode config lines")
     c.add_argument("--leaf-port", type=int, default=7422)
     c.add_argument("--domain", default="hub")
-    a = ap.parse_args(argv)
-    if a.kind == "hub-config":
-        print(hub_config(a.leaf_port, domain=a.domain), end="")
-        return 0
-    if a.kind == "nats":
-        from stitch_core.versions.natsserver import NatsServer
+    c.set_defaults(fn=_hub_config)
 
-        d = Path(a.dir).expanduser().resolve()
-        d.mkdir(parents=True, exist_ok=True)
-        conf = d / "region.conf"
-        conf.write_text(region_config(a.leaf_of, domain=a.domain))
-        server = NatsServer(d, port=a.port, host=a.host, config=conf)
-        after = _mirror_in_background(a.mirror, a.origin_domain) if a.mirror else None
-        return run_relay(server, f"NATS relay (leafnode of {a.leaf_of}, JetStream domain "
-                                 f"{a.domain!r})", after)
+
+def _hub_config(a: argparse.Namespace) -> int:
+    print(hub_config(a.leaf_port, domain=a.domain), end="")
+    return 0
+
+
+def _run_nats(a: argparse.Namespace) -> int:
+    from stitch_core.versions.natsserver import NatsServer
+
+    d = Path(a.dir).expanduser().resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    conf = d / "region.conf"
+    conf.write_text(region_config(a.leaf_of, domain=a.domain))
+    server = NatsServer(d, port=a.port, host=a.host, config=conf)
+    after = _mirror_in_background(a.mirror, a.origin_domain) if a.mirror else None
+    return run_relay(server, f"NATS relay (leafnode of {a.leaf_of}, JetStream domain "
+                             f"{a.domain!r})", after)
+
+
+def _run_http(a: argparse.Namespace) -> int:
     relay = NginxRelay(a.origin, a.port, Path(a.dir), host=a.host, max_cache=a.max_cache)
     return run_relay(relay, f"HTTP relay of {a.origin} (nginx, cache in {relay.dir})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m stitch_core.versions.relay http --origin URL [--port N] [--dir D]`,
+    `... nats --leaf-of nats-leaf://origin:7422 --domain eu [--port N] [--dir D] [--mirror
+    BUCKET]` (a region's nats-server, leafnode of the origin's, with the board's mirrors) and
+    `... hub-config --leaf-port 7422` (the origin's config lines); the same as `stitch relay`."""
+    ap = argparse.ArgumentParser(prog="python -m stitch_core.versions.relay",
+                                 description="a region's relay of a board")
+    add_parsers(ap.add_subparsers(dest="kind", required=True))
+    a = ap.parse_args(argv)
+    return a.fn(a)
 
 
 if __name__ == "__main__":

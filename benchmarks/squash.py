@@ -195,10 +195,11 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         ks = [row["k"] for row in r["rows"]]
-        for key, label in (("chain_bytes", "chain of k patches"),
-                           ("planned_bytes", "planned (span)"),
-                           ("direct_bytes", "direct diff")):
-            ax.plot(ks, [row[key] / 1e6 for row in r["rows"]], marker="o", label=label)
+        for key, label, style in (("chain_bytes", "chain of k patches", "o-"),
+                                  ("direct_bytes", "direct diff", "s-"),
+                                  ("planned_bytes", "planned (a span; on the direct diff)",
+                                   "x--")):
+            ax.plot(ks, [row[key] / 1e6 for row in r["rows"]], style, label=label)
         ax.set_title(f"{r['start']} start, lr {r['lr']:g}")
         ax.set_xlabel("k (versions behind)")
         ax.set_ylabel("MB to download")
@@ -232,7 +233,11 @@ def main() -> None:
     ap.add_argument("--json", default=str(ROOT / "results" / "squash.json"))
     ap.add_argument("--png", default=str(ROOT / "results" / "squash.png"))
     ap.add_argument("--readme", action="store_true", help="also update README's SQUASH table")
+    ap.add_argument("--plot-only", action="store_true", help="redraw --png from --json")
     a = ap.parse_args()
+    if a.plot_only:
+        plot(json.loads(Path(a.json).read_text())["results"], Path(a.png))
+        return
     if a.quick:
         a.params, a.lrs, a.starts, a.ks = 4e6, "1e-6", "pretrained", "1,2,5"
     torch.set_num_threads(a.threads)

@@ -269,6 +269,8 @@ def test_an_engine_behind_catches_up_through_one_span(stack):
     version, applies it in one pause, and serves exactly the newest version."""
     import shutil
 
+    from safetensors.torch import load_file
+
     from stitch_core.versions.manifest import Latest
     from stitch_core.versions.squash import Squasher
     from stitch_core.versions.store import read_span
@@ -278,7 +280,12 @@ def test_an_engine_behind_catches_up_through_one_span(stack):
     held = server.status()["version"]
     staging = root / "staging"
     shutil.copytree(root / "board", staging)
-    view = trainer.view()
+    # the version the engine holds, as the board has it (earlier tests put versions on the
+    # board that the trainer's own state never held: the forged one's repair)
+    asyncio.run(pull(LocalBoard(root / "board"), RUN, held, root / "held", root / "cache",
+                     quiet=True))
+    view = {k: v for f in sorted((root / "held").glob("*.safetensors"))
+            for k, v in load_file(f).items()}
     trainer.pub.close()
     trainer.pub = Publisher(str(staging), RUN, "bf16")
     trainer.pub.resume_from(held, view, fpr.state_fingerprints(view))

@@ -386,11 +386,17 @@ async def _ensure_streams(js: JetStreamContext, run: str) -> None:
         description=f"stitch: versions announced for run {run}",
         retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
         max_msgs=VERSIONS_MAX_MSGS, max_age=VERSIONS_MAX_AGE, allow_direct=True))
-    await _add_or_update(js, api.StreamConfig(
-        name=engines_stream(run), subjects=[engines_subject(run)],
-        description=f"stitch: last heartbeat of each engine following run {run}",
+    await _add_or_update(js, _last_of_each_stream(
+        engines_stream(run), engines_subject(run),
+        f"stitch: last heartbeat of each engine following run {run}"))
+
+
+def _last_of_each_stream(name: str, subjects: str, description: str) -> api.StreamConfig:
+    """A heartbeat stream: the last message of each subject, for ENGINES_MAX_AGE."""
+    return api.StreamConfig(
+        name=name, subjects=[subjects], description=description,
         retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
-        max_msgs_per_subject=1, max_age=ENGINES_MAX_AGE, allow_direct=True))
+        max_msgs_per_subject=1, max_age=ENGINES_MAX_AGE, allow_direct=True)
 
 
 async def announce(js: JS, ann: Announcement) -> int:
@@ -520,11 +526,9 @@ async def ensure_gateways_stream(js: JS, run: str) -> None:
     only INFO when it exists as wanted)."""
     js = _js(js)
     async with _refusals(js, f"creating the gateway stream of run {run}"):
-        await _add_or_update(js, api.StreamConfig(
-            name=gateways_stream(run), subjects=[gateways_subject(run)],
-            description=f"stitch: last heartbeat of each gateway of run {run}",
-            retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
-            max_msgs_per_subject=1, max_age=ENGINES_MAX_AGE, allow_direct=True))
+        await _add_or_update(js, _last_of_each_stream(
+            gateways_stream(run), gateways_subject(run),
+            f"stitch: last heartbeat of each gateway of run {run}"))
 
 
 async def publish_gateway_heartbeat(js: JS, hb: GatewayHeartbeat) -> None:

@@ -136,6 +136,7 @@ class Squasher:
         self.manifests: dict[int, Manifest] = {}  # the window's and the newest one's
         self.state: dict[str, torch.Tensor] = {}  # newest version's integer bit views (flat)
         self.dtypes: dict[str, torch.dtype] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.window: dict[int, dict[str, _Diff]] = {}  # version -> its difference from newest
         self.chain_bytes: dict[int, int] = {}  # version -> patch bytes from it to the newest
         self.targets: list[int] = []  # versions this squasher wrote spans to, oldest first

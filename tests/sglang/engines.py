@@ -8,6 +8,7 @@ a unique `cache_salt` so that no answer reuses another request's radix-cache pre
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from ..engine_common import ServerProcess
+from ..engine_common import ServerProcess, vllm_cmd, vllm_env
 from ..procs import free_port
 from .smoke import server_cmd, server_env
 
@@ -113,3 +114,33 @@ def fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, list[di
         finally:
             server.stop()
     return res
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python (STITCH_VLLM_PYTHON) for modules that start a vLLM server beside
+    SGLang (the two pin different torch releases, so they cannot share a venv). Call at module
+    level: unset skips the module, or fails it under STITCH_REQUIRE_VLLM=1."""
+    import pytest
+
+    python = os.environ.get("STITCH_VLLM_PYTHON")
+    if python:
+        return python
+    if os.environ.get("STITCH_REQUIRE_VLLM") == "1":
+        raise RuntimeError("STITCH_REQUIRE_VLLM=1 but STITCH_VLLM_PYTHON (the vLLM venv's python) "
+                           "is not set")
+    pytest.skip("set STITCH_VLLM_PYTHON to the vLLM venv's python", allow_module_level=True)
+
+
+class VllmServer(ServerProcess):
+    """The vLLM server of tests/vllm/engines.py, run by the vLLM venv's `python`; it advertises
+    its own URL in heartbeats."""
+
+    name = "vLLM server"
+
+    def __init__(self, python: str, model_dir: Path, log: Path, **stitch: str):
+        port = free_port()
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("STITCH_", "VIRTUAL_ENV", "PYTHONPATH"))}
+        stitch.setdefault("engine_url", f"http://127.0.0.1:{port}")
+        super().__init__(vllm_cmd(python, str(model_dir), port), vllm_env(env, **stitch), port,
+                         str(model_dir), log)

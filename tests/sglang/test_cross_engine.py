@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 
 if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
-VLLM_PYTHON = os.environ.get("STITCH_VLLM_PYTHON")
-if not VLLM_PYTHON:
-    if os.environ.get("STITCH_REQUIRE_VLLM") == "1":
-        raise RuntimeError("STITCH_REQUIRE_VLLM=1 but STITCH_VLLM_PYTHON (the vLLM venv's python) "
-                           "is not set")
-    pytest.skip("set STITCH_VLLM_PYTHON to the vLLM venv's python", allow_module_level=True)
 
 from stitch_core.format import fingerprint as fpr  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
@@ -30,24 +23,12 @@ from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.store import read_manifest  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import ServerProcess, Trainer, vllm_cmd, vllm_env  # noqa: E402
-from ..procs import free_port  # noqa: E402
-from .engines import Server  # noqa: E402
+from ..engine_common import ServerProcess, Trainer  # noqa: E402
+from .engines import Server, VllmServer, vllm_python  # noqa: E402
+
+VLLM_PYTHON = vllm_python()
 
 RUN = "sg-cross"
-
-
-class VllmServer(ServerProcess):
-    """The vLLM server of tests/vllm/engines.py, run by the vLLM venv's python."""
-
-    name = "vLLM server"
-
-    def __init__(self, python: str, model_dir: Path, log: Path, **stitch: str):
-        port = free_port()
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("STITCH_", "VIRTUAL_ENV", "PYTHONPATH"))}
-        super().__init__(vllm_cmd(python, str(model_dir), port), vllm_env(env, **stitch), port,
-                         str(model_dir), log)
 
 
 def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, nats_server):

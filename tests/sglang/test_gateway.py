@@ -25,36 +25,19 @@ import pytest
 if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
-VLLM_PYTHON = os.environ.get("STITCH_VLLM_PYTHON")
-if not VLLM_PYTHON:
-    if os.environ.get("STITCH_REQUIRE_VLLM") == "1":
-        raise RuntimeError("STITCH_REQUIRE_VLLM=1 but STITCH_VLLM_PYTHON (the vLLM venv's python) "
-                           "is not set")
-    pytest.skip("set STITCH_VLLM_PYTHON to the vLLM venv's python", allow_module_level=True)
 
 from stitch_core.serve import protocol  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 
-from ..engine_common import ServerProcess, Trainer, sse_events, vllm_cmd, vllm_env  # noqa: E402
+from ..engine_common import Trainer, sse_events  # noqa: E402
 from ..procs import free_port, stop  # noqa: E402
-from .engines import Engine, engine_env  # noqa: E402
+from .engines import Engine, VllmServer, engine_env, vllm_python  # noqa: E402
 from .smoke import server_cmd  # noqa: E402
 
 RUN = "sg-gateway"
-
-
-class VllmServer(ServerProcess):
-    name = "vLLM server"
-
-    def __init__(self, model_dir: Path, log: Path, **stitch: str):
-        port = free_port()
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("STITCH_", "VIRTUAL_ENV", "PYTHONPATH"))}
-        stitch["engine_url"] = f"http://127.0.0.1:{port}"
-        super().__init__(vllm_cmd(VLLM_PYTHON, str(model_dir), port),
-                         vllm_env(env, **stitch), port, str(model_dir), log)
+VLLM_PYTHON = vllm_python()
 
 
 class SglangServer(Engine):
@@ -117,7 +100,7 @@ def fleet(tmp_path_factory, nats_server):
         assert trainer.publish() == 1
         shutil.copytree(tmp / "board", tmp / "board-v1")  # frozen at v1
         common = dict(nats_url=nats_server.url, run=RUN, reconcile_interval="1")
-        procs.append(VllmServer(tmp / "v0", tmp / "vllm.log", board=str(tmp / "board"),
+        procs.append(VllmServer(VLLM_PYTHON, tmp / "v0", tmp / "vllm.log", board=str(tmp / "board"),
                                 cache_dir=str(tmp / "vllm-cache"), engine_id="vllm",
                                 region="eu", **common))
         procs.append(SglangServer(tmp / "v0", tmp / "sglang.log",

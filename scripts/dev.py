@@ -25,6 +25,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,9 +74,98 @@ for line in md.requires(sys.argv[1]) or []:
 VENV_GB = {"vllm": 4, "sglang": 7, "sglang-gpu": 11}
 
 
+# a background build writes its commands' output to a log of its own (see Background)
+_OUT = threading.local()
+
+
 def run(*cmd: str | os.PathLike, **kw) -> None:
-    print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, **kw)
+    log = getattr(_OUT, "log", None)
+    line = "+ " + " ".join(str(c) for c in cmd)
+    if log is None:
+        print(line, flush=True)
+        subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, **kw)
+        return
+    log.write(line + "\n")
+    log.flush()
+    # niced: the suites running meanwhile in the foreground keep the cores first
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, stdout=log,
+                   stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10), **kw)
+
+
+class Phases:
+    """Wall time of each phase of `test`, printed as a table at the end (also after a failure).
+    Background phases (the engine venvs, built while the foreground suites run) are timed in
+    their own thread; the table's offsets say what overlapped."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.rows: list[tuple[str, float, float, str]] = []  # name, start, seconds, result
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        result = "FAILED"
+        try:
+            yield
+            result = "ok"
+        finally:
+            with self._lock:
+                self.rows.append((name, start - self.t0, time.monotonic() - start, result))
+
+    def table(self) -> str:
+        rows = sorted(self.rows, key=lambda r: r[1])
+        out = ["", "phase                          start    took  result",
+               "-----------------------------  -------  ------  ------"]
+        out += [f"{n:<29}  {s / 60:5.1f}m  {d / 60:5.1f}m  {r}" for n, s, d, r in rows]
+        out.append(f"{'total (wall)':<29}  {'':7}  {(time.monotonic() - self.t0) / 60:5.1f}m")
+        return "\n".join(out)
+
+
+class Background:
+    """Build steps run in order in one thread while the foreground goes on (engine venvs while
+    lint, the wheel check and the main suite run). `wait(name)` blocks until that step is done
+    and fails, with the tail of its log, if it failed."""
+
+    def __init__(self, phases: Phases, log: Path, steps: list[tuple[str, Callable[[], None]]]):
+        self.phases, self.log, self.steps = phases, log, steps
+        self.done = {name: threading.Event() for name, _ in steps}
+        self.errors: dict[str, BaseException] = {}
+        self.failed: str | None = None
+        self.thread = threading.Thread(target=self._work, name="venv-builds", daemon=True)
+
+    def start(self) -> Background:
+        print(f"building {', '.join(n for n, _ in self.steps)} in the background "
+              f"(log: {self.log})", flush=True)
+        self.thread.start()
+        return self
+
+    def _work(self) -> None:
+        with open(self.log, "w") as f:
+            _OUT.log = f
+            for name, step in self.steps:
+                try:
+                    with self.phases(name + " (background)"):
+                        step()
+                except BaseException as e:  # noqa: BLE001 - reported by wait()
+                    self.failed = name
+                    for rest, _ in self.steps:  # this step and the later ones (not run)
+                        self.errors.setdefault(rest, e)
+                        self.done[rest].set()
+                    return
+                finally:
+                    self.done[name].set()
+
+    def wait(self, name: str) -> None:
+        self.done[name].wait()
+        if name in self.errors:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+            print(f"{self.failed} failed in the background ({name} needs it); the end of "
+                  f"{self.log}:\n{tail}",
+                  file=sys.stderr, flush=True)
+            err = self.errors[name]
+            raise err if isinstance(err, subprocess.CalledProcessError) else \
+                subprocess.CalledProcessError(1, name)
 
 
 def has_gpu() -> bool:
@@ -250,33 +343,58 @@ def run_demo(cmd: list, env: dict[str, str]) -> int:
             continue
 
 
+def test(env: dict[str, str], phases: Phases) -> int:
+    """Lint, the wheel check and the main suite in the foreground while the engine venvs build
+    in the background (niced); then the vLLM suite, then the SGLang suite. A table of the phases'
+    wall times ends the output, also when a phase failed."""
+    bg = Background(phases, ROOT / ".venv-builds.log",
+                    [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang)])
+    wheel()  # built once, before the builds that install it start
+    bg.start()
+    try:
+        with phases("ruff"):
+            run(PY, "-m", "ruff", "check", ".", env=env)
+        with phases("import contracts"):
+            run(VENV / "bin" / "lint-imports", env=env)  # the layer contracts in pyproject.toml
+        with phases("wheel check (clean venv)"):
+            check_wheel()
+        with phases("main suite"):
+            run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
+                *sys.argv[2:], env=env)
+        bg.wait("vLLM venv")
+        with phases("vLLM suite"):
+            run(VLLM_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
+                "vllm")
+            venv_env = dict(env, STITCH_REQUIRE_VLLM="1",
+                            PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+            run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
+        bg.wait("SGLang venv")
+        with phases("SGLang suite"):
+            run(SGLANG_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
+                "sglang", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "sglang" / "stub")))
+            # the cross-engine test starts a vLLM server with the vLLM venv's python
+            sglang_env = dict(
+                env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+                STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
+                STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"))
+            run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/sglang",
+                env=sglang_env)
+    finally:
+        print(phases.table(), flush=True)
+        sys.stdout.flush()
+    return 0
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
-    setup()
+    phases = Phases()
+    with phases("main venv + wheel"):
+        setup()
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     if what == "setup":
         return 0
     if what == "test":
-        run(PY, "-m", "ruff", "check", ".", env=env)
-        run(VENV / "bin" / "lint-imports", env=env)  # the layer contracts in pyproject.toml
-        check_wheel()
-        run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
-            *sys.argv[2:], env=env)
-        setup_vllm()
-        run(VLLM_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine", "vllm")
-        venv_env = dict(env, PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                        STITCH_REQUIRE_VLLM="1")
-        run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
-        setup_sglang()
-        run(SGLANG_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
-            "sglang", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "sglang" / "stub")))
-        # the cross-engine test starts a vLLM server with the vLLM venv's python
-        sglang_env = dict(
-            env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-            STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
-            STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"))
-        run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/sglang", env=sglang_env)
-        return 0
+        return test(env, phases)
     if what == "demo":
         args = sys.argv[2:]
         if "--no-engine" not in args and not any(a in ("-h", "--help") for a in args):

@@ -13,21 +13,18 @@ import-linter; docs/architecture.md):
 
 `engine` and `serve` are independent of each other. Submodules import lazily, so an engine plugin
 importing `stitch_core.engine.layout` (torch and numpy) does not pay for the codec's numba kernels
-until it needs them. The flat module paths of earlier releases (`stitch_core.patch`,
-`stitch_core.coordinator`, ...) still import, with a DeprecationWarning (`stitch_core._moved`).
+until it needs them. No module below imports this package root (an import-linter contract):
+`__version__` comes from the installed distribution's metadata (`stitch_core.distribution`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stitch_core import _moved
+from stitch_core.distribution import VERSION as __version__
 from stitch_core.errors import StitchError
 
-__version__ = "0.1.0"
 __all__ = ["Patch", "PatchError", "StitchError", "apply", "diff", "__version__"]
-
-_moved.install()
 
 
 def __getattr__(name: str) -> Any:

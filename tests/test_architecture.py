@@ -1,4 +1,4 @@
-"""The tree is the architecture: no import cycles, the public API pinned, old paths still working.
+"""The tree is the architecture: no import cycles, the public API pinned, no shims.
 
 The allowed import directions themselves are import-linter contracts in pyproject.toml
 (`lint-imports` in the test command); this module adds what import-linter does not check.
@@ -7,7 +7,6 @@ The allowed import directions themselves are import-linter contracts in pyprojec
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import grimp
 import pytest
@@ -78,52 +77,19 @@ def test_public_api(path):
     assert missing == []
 
 
-# Paths of the flat layout of earlier releases: still importable for one release, as the very
-# same module objects, with a DeprecationWarning naming the new path.
-OLD_PATHS = {
-    "stitch_core.patch": "stitch_core.format.patch",
-    "stitch_core.dtypes": "stitch_core.format.dtypes",
-    "stitch_core.fingerprint": "stitch_core.format.fingerprint",
-    "stitch_core.views": "stitch_core.format.views",
-    "stitch_core.stp": "stitch_core.format.stp",
-    "stitch_core.board": "stitch_core.versions.board",
-    "stitch_core.board.local": "stitch_core.versions.board.local",
-    "stitch_core.manifest": "stitch_core.versions.manifest",
-    "stitch_core.follower": "stitch_core.versions.follower",
-    "stitch_core.natsserver": "stitch_core.versions.natsserver",
-    "stitch_core.coordinator": "stitch_core.engine.coordinator",
-    "stitch_core.replica": "stitch_core.engine.replica",
-    "stitch_core.layout": "stitch_core.engine.layout",
-    "stitch_core.gate": "stitch_core.serve.gate",
-    "stitch_core.protocol": "stitch_core.serve.protocol",
-    "stitch_core.cli_versions": "stitch_core.cli.versions",
-}
+def test_no_shims_and_one_owner_for_the_version():
+    """No import hooks and no aliases of old module paths; the version is the distribution's."""
+    import importlib.metadata
+    import sys
 
+    import stitch_core
+    from stitch_core import engine
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_module_paths_alias_the_new_modules(old):
-    with pytest.warns(DeprecationWarning, match="moved to"):
-        mod = importlib.import_module(old)
-    assert mod is importlib.import_module(OLD_PATHS[old])
-
-
-def test_old_names_of_the_former_modules():
-    from stitch_core.cli.versions import list_manifests, pull  # the CLI module's old exports
-    from stitch_core.versions import read_manifest  # stitch_core.versions was the store module
-    from stitch_core.versions.materialize import pull as pull_new
-    from stitch_core.versions.store import list_manifests as lm_new
-    from stitch_core.versions.store import read_manifest as rm_new
-
-    assert (pull, list_manifests, read_manifest) == (pull_new, lm_new, rm_new)
-    from stitch_core import node
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(DeprecationWarning, match="stitch_core.node.EngineFollower"):
-            from stitch_core.engine import EngineFollower  # noqa: F401
-    with pytest.warns(DeprecationWarning):
-        from stitch_core.engine import EngineFollower
-    assert EngineFollower is node.EngineFollower
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("stitch")]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("stitch_core.patch")  # a flat path of the pre-layered tree
+    assert not hasattr(engine, "__getattr__")
+    assert stitch_core.__version__ == importlib.metadata.version("stitch-rl")
 
 
 def test_every_error_is_a_stitch_error_and_keeps_its_builtin_base():

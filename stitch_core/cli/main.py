@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from stitch_core import __version__
 from stitch_core.cli import gateway, keys, squash
 from stitch_core.cli.versions import add_parsers
+from stitch_core.distribution import PRODUCER
 from stitch_core.errors import StitchError
 from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.format.patch import PatchBuilder, check_compatible
@@ -204,7 +204,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `stitch` argument parser: patch verbs, version verbs and plugin verbs."""
     p = argparse.ArgumentParser(prog="stitch", description=__doc__)
-    p.add_argument("--version", action="version", version=f"stitch-rl {__version__}")
+    p.add_argument("--version", action="version", version=PRODUCER)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diff", help="write the patch that turns BASE into NEW")

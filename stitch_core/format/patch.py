@@ -22,7 +22,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from stitch_core import __version__
+from stitch_core.distribution import PRODUCER
 from stitch_core.format import codec, dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.codec import CodecError
@@ -259,7 +259,7 @@ class PatchBuilder:
         header = PatchHeader(
             **self._meta,
             created=_now(),
-            producer=f"stitch-rl {__version__}",
+            producer=PRODUCER,
             base_digest=fpr.digest(self._base_fps),
             target_digest=fpr.digest(self._target_fps),
             tensors=self.entries,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from stitch_core import __version__
+from stitch_core.distribution import PRODUCER
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import PatchBuilder, apply_entry, chunk_list
@@ -286,7 +286,7 @@ class Squasher:
             sp = Span(run=self.run, base=base, version=self.version,
                       base_digest=self.manifests[base].digest, digest=target.digest,
                       objects=[object_ref(path, "patch")], changed_elements=changed,
-                      created=now(), producer=f"stitch-rl {__version__} squash")
+                      created=now(), producer=f"{PRODUCER} squash")
             await write_span(self.board, sp, {path.name: path}, self.signer)
             path.unlink()
             written.append(base)

@@ -432,3 +432,42 @@ def test_bounded_workers_survive_slow_clients_and_absurd_ranges(site):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_etags_304_and_what_is_revalidated(site, srv):
+    """ETags: the digest a manifest lists (no hashing), else the content's; If-None-Match is a
+    304 with the same cache headers. `spans.json` is rewritten in place by the squasher: it is
+    `no-cache` like `latest` and its ETag is its content's even where a manifest lists it."""
+    import hashlib
+    import json
+
+    vdir = site["root"] / RUN / "versions" / "000002"
+    vdir.mkdir(parents=True, exist_ok=True)
+    listed = "ab" * 32
+    spans = b'{"run": "run-a", "version": 2, "bases": [0]}'
+    (vdir / "w.bin").write_bytes(b"weights")
+    (vdir / "spans.json").write_bytes(spans)
+    (vdir / "manifest.json").write_text(json.dumps({"objects": [
+        {"path": "w.bin", "size": 7, "sha256": listed},
+        {"path": "spans.json", "size": len(spans), "sha256": "cd" * 32}]}))
+    w, s = f"/{PREFIX}/{RUN}/versions/000002/w.bin", f"/{PREFIX}/{RUN}/versions/000002/spans.json"
+    status, h, body = raw(site, w)
+    assert status == 200 and body == b"weights" and h["ETag"] == f'"sha256:{listed}"'
+    assert h["Cache-Control"] == IMMUTABLE and h["Content-Type"] == "application/octet-stream"
+    status, h, body = raw(site, w, headers={"If-None-Match": f'"x", "sha256:{listed}"'})
+    assert status == 304 and body == b"" and h["Cache-Control"] == IMMUTABLE
+    status, h, body = raw(site, s)
+    assert status == 200 and body == spans and h["Cache-Control"] == "no-cache"
+    assert h["ETag"] == f'"sha256:{hashlib.sha256(spans).hexdigest()}"'
+    assert h["Content-Type"] == "application/json"
+    status, h, _ = raw(site, s, headers={"If-None-Match": h["ETag"]})
+    assert status == 304 and h["Cache-Control"] == "no-cache"
+    assert cache_control(f"{RUN}/versions/000002/spans.json") == "no-cache"
+    assert cache_control(f"{RUN}/versions/000002/span-000000.json") == IMMUTABLE
+    status, h, body = raw(site, f"/{PREFIX}/{RUN}/versions/000009/spans.json")
+    assert status == 404 and h["Cache-Control"] == "no-store"
+    status, h, body = raw(site, f"/{PREFIX}/{latest_key(RUN)}", "HEAD")
+    assert status == 200 and body == b"" and h["Cache-Control"] == "no-cache"
+    status, h, _ = raw(site, f"/{PREFIX}/{latest_key(RUN)}",
+                       headers={"If-None-Match": h["ETag"]})
+    assert status == 304 and h["Cache-Control"] == "no-cache"

@@ -229,7 +229,11 @@ def cmd_board_serve(a: argparse.Namespace) -> int:
     """`stitch board serve`: serve a board directory over HTTP; returns the exit status."""
     from stitch_core.versions.board.serve import run_server
 
-    run_server(Path(a.dir), a.host, a.port, max_workers=a.workers)
+    # flags left out keep the server's defaults (not imported here: uvicorn loads only to serve)
+    kw = {k: v for k, v in (("max_conns", a.max_conns or a.workers),
+                            ("max_conns_per_client", a.max_conns_per_client),
+                            ("head_timeout", a.head_timeout)) if v is not None}
+    run_server(Path(a.dir), a.host, a.port, verbose=a.verbose, **kw)
     return 0
 
 
@@ -287,8 +291,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("dir")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--workers", type=int, default=256,
-                    help="connections served at once (one thread each; more wait in the queue)")
+    sv.add_argument("--max-conns", type=int, default=None, metavar="N",
+                    help="connections open at once, all clients (over it, the connection that "
+                         "has waited longest for a request is closed, else the new one gets a "
+                         "503; default 1024)")
+    sv.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="deprecated: the old name of --max-conns (no threads per connection "
+                         "any more)")
+    sv.add_argument("--max-conns-per-client", type=int, default=None, metavar="N",
+                    help="connections open at once from one client address (0: no cap; "
+                         "followers behind one NAT share one; default 256)")
+    sv.add_argument("--head-timeout", type=float, default=None, metavar="S",
+                    help="seconds a whole request head may take, counted from the connection "
+                         "opening or its previous answer (slow clients and idle keep-alive "
+                         "connections are closed after it; default 10)")
+    sv.add_argument("-v", "--verbose", action="store_true", help="log each request to stderr")
     sv.set_defaults(fn=cmd_board_serve)
 
     from stitch_core.versions import relay

@@ -1,96 +1,70 @@
 """A small read-only HTTP server for a board directory (`stitch board serve DIR`).
 
-Serves GET and HEAD for board keys only (no listings, no dot files, nothing outside the root),
-single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers can resume downloads, and
-cache headers a CDN in front can use: `<run>/latest` is `no-cache`, objects under `versions/`
-(manifests included: written once, never changed) are immutable, every answer carries a strong
-ETag of the content (`"sha256:<hex>"`, from the version's manifest where it lists the object,
-else hashed once and remembered) and `If-None-Match` is answered 304, and errors (404 included:
-a version or a span manifest may appear later at a key that was missing) are `no-store`.
-Bodies go out with sendfile in chunks, never read whole into memory. At most
-`MAX_WORKERS` (256; `--workers`) connections are served at once (more wait in the listen
-queue), a connection idle or stalled for 10 s is dropped, and malformed or absurd `Range`
-headers are ignored (the whole file) or answered 416. For a fleet, put a real HTTP cache or
-CDN in front (objects are immutable).
+Serves GET and HEAD for board keys only (no listings, no dot files, nothing outside the root;
+other methods are 405), single byte ranges (`bytes=a-b`, `bytes=a-`, `bytes=-n`) so followers
+can resume downloads, and cache headers a CDN in front can use: `<run>/latest` and a version's
+`spans.json` (rewritten in place by the squasher) are `no-cache`, every other object under
+`versions/` (manifests included: written once, never changed) is immutable, every answer carries
+a strong ETag of the content (`"sha256:<hex>"`, from the version's manifest where it lists the
+object, else hashed once and remembered) and `If-None-Match` is answered 304, and errors (404
+included: a version or a span manifest may appear later at a key that was missing) are
+`no-store`. Malformed or absurd `Range` headers are ignored (the whole file) or answered 416.
+
+It is an ASGI app (`BoardApp`) under uvicorn, with the connection handling of `serve_conns`: a
+deadline for each whole request head (`--head-timeout`, 10 s: a slow loris is closed, however
+it dribbles), caps on connections per client address and in all, and asynchronous sends (a slow
+reader holds only its own connection; one stalled `SEND_TIMEOUT` s on a chunk is dropped). The
+thread-per-connection server it replaces let 4 dribbling connections (256 with the default
+pool) make every follower wait. Deciding an answer (resolving the key, stat, the ETag) runs in a
+small thread pool, as `BoardHandler._serve` with the request-handler surface the old server had
+(tests and benchmarks subclass it to count or inject faults); bodies are read from the file in
+chunks off the event loop, never whole. For a fleet, put a real HTTP cache or CDN in front.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import json
 import os
 import re
-import socket
+import sys
 import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from email.utils import formatdate
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.client import HTTPMessage
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from stitch_core.versions.board.base import KEY_RE
+from stitch_core.versions.board.serve_conns import (
+    HEAD_TIMEOUT,
+    MAX_CONNS,
+    MAX_CONNS_PER_CLIENT,
+    Aborted,
+    BoardServer,
+)
+
+__all__ = ["HEAD_TIMEOUT", "IMMUTABLE", "MAX_CONNS", "MAX_CONNS_PER_CLIENT", "MAX_WORKERS",
+           "BoardApp", "BoardHandler", "BoardServer", "cache_control", "content_etag",
+           "parse_range", "run_server", "serve"]
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 RANGE_RE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # longer numbers: ignored (whole file)
-# connections served at once (a thread each; more wait in the listen queue). Each follower
-# keeps one keep-alive connection: 64 made a burst of 100 followers wait (benchmarks/
-# fleet_load.py, p99 announce -> current 6.7 s vs 2.0 s with 256); idle ones are dropped after
-# `BoardHandler.timeout`, so threads are not held between polls
-MAX_WORKERS = 256
-CHUNK = 1 << 20
+MUTABLE_NAMES = frozenset({"latest", "spans.json"})  # rewritten in place: revalidated each time
+MAX_WORKERS = MAX_CONNS  # the old name of the connection cap (`--workers`)
+CHUNK = 1 << 20  # hashing
+SEND_CHUNK = 256 << 10  # a body is read and sent this much at a time
+SEND_TIMEOUT = 60.0  # seconds one chunk may wait for a reader that takes nothing
+THREADS = 32  # answers decided at once (stat, open, ETag: disk work, off the event loop)
 MAX_LISTED = 1 << 20  # a manifest read for its object digests (ETags) at most this big
 _ETAGS: dict[tuple, str] = {}  # (path, inode, mtime, size) -> strong ETag, bounded
 _ETAGS_MAX = 4096
 _ETAGS_LOCK = threading.Lock()
-
-
-class BoardServer(ThreadingHTTPServer):
-    """The threaded HTTP server of `stitch board serve`, serving the directory `root`."""
-
-    daemon_threads = True
-    # the listen queue: socketserver's default of 5 makes a fleet that wakes at once on an
-    # announcement (100 followers) lose SYNs and wait 1, 3, 7, 15 s for retransmits
-    # (benchmarks/fleet_load.py: p99 announce -> current 19 s with 5, 1.8 s with 1024)
-    request_queue_size = 1024
-
-    def __init__(self, addr: tuple[str, int], handler: type[BoardHandler], root: Path,
-                 verbose: bool = False, max_workers: int = MAX_WORKERS):
-        if ":" in addr[0]:
-            self.address_family = socket.AF_INET6
-        self.root = root
-        self.verbose = verbose
-        # a bounded pool: at most `max_workers` handler threads; the accept loop waits for a
-        # free one, so a flood of (slow) clients queues in the backlog instead of spawning a
-        # thread each. A client idle for `BoardHandler.timeout` seconds is dropped.
-        self.max_workers = max_workers
-        self._slots = threading.BoundedSemaphore(max_workers)
-        self.active = 0  # handler threads running now (status, tests)
-        self.peak = 0
-        self._count = threading.Lock()
-        super().__init__(addr, handler)
-
-    def process_request(self, request, client_address) -> None:
-        self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        with self._count:
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._count:
-                self.active -= 1
-            self._slots.release()
-
-    def handle_error(self, request, client_address) -> None:
-        if self.verbose:
-            super().handle_error(request, client_address)
 
 
 def _key_of(raw_path: str) -> str | None:
@@ -118,17 +92,19 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None | bool:
 
 
 def cache_control(key: str) -> str:
-    """`latest` must be revalidated every time; published version objects never change."""
+    """`latest` and `spans.json` must be revalidated every time; other published version objects
+    never change."""
     parts = key.split("/")
-    if parts[-1] != "latest" and "versions" in parts[:-1]:
+    if parts[-1] not in MUTABLE_NAMES and "versions" in parts[:-1]:
         return IMMUTABLE
     return "no-cache"
 
 
 def _listed_sha256(path: Path, size: int) -> str | None:
     """The sha256 the version's manifest (beside `path`) lists for `path`, if it lists it with
-    this size: a snapshot's ETag costs no hashing of its weights."""
-    if path.name == "manifest.json":
+    this size: a snapshot's ETag costs no hashing of its weights. Never for a file rewritten in
+    place (its listed digest may be stale at the same size)."""
+    if path.name == "manifest.json" or path.name in MUTABLE_NAMES:
         return None
     try:
         m = path.with_name("manifest.json")
@@ -175,20 +151,112 @@ def _content_type(key: str) -> str:
         else "application/octet-stream"
 
 
-class BoardHandler(BaseHTTPRequestHandler):
-    """Answers GET and HEAD for board keys under the server's root (byte ranges, cache headers)."""
+class BoardHandler:
+    """One request: answers GET and HEAD for board keys under the server's root (byte ranges,
+    cache headers). Runs in the app's thread pool and keeps the request-handler surface of
+    `http.server` that subclasses use (`command`, `path`, `headers`, `client_address`, `server`,
+    `do_GET`, `_serve`, `send_response`/`send_header`/`end_headers`, `wfile`,
+    `close_connection`); the answer is recorded here and sent by `BoardApp`. The body of a file
+    is attached with `send_file`. `timeout`: the request-head deadline unless `serve()` is given
+    one."""
 
-    server: BoardServer
     server_version = "stitch-board"
     protocol_version = "HTTP/1.1"
-    timeout = 10  # seconds a connection may be idle or stalled (slow clients) before it is dropped
-    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms ACK stalls
+    timeout = HEAD_TIMEOUT
+
+    def __init__(self, server: BoardServer, scope: dict[str, Any]):
+        self.server = server
+        self.command: str = scope["method"]
+        query = scope.get("query_string") or b""
+        self.path = scope["raw_path"].decode("latin-1") + ("?" + query.decode("latin-1")
+                                                           if query else "")
+        self.request_version = "HTTP/" + scope.get("http_version", "1.1")
+        self.requestline = f"{self.command} {self.path} {self.request_version}"
+        self.headers = HTTPMessage()
+        for k, v in scope["headers"]:
+            self.headers[k.decode("latin-1")] = v.decode("latin-1")
+        self.client_address = tuple(scope.get("client") or ("", 0))
+        self.close_connection = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.code = 0
+        self.response_headers: list[tuple[str, str]] = []
+        self.wfile = io.BytesIO()
+        self.file: tuple[int, int, int] | None = None  # (fd, offset, count) to send after wfile
+
+    @property
+    def connection(self) -> _Connection:
+        """The client's connection (`shutdown()` cuts it), as far as a subclass needs one."""
+        return _Connection(self.server, self.client_address)
+
+    def run(self) -> None:
+        """Decide the answer (in a pool thread): a failure is a 500, never a hung client."""
+        try:
+            self.setup()
+            try:
+                self.handle()
+            finally:
+                self.finish()
+        except Exception:  # noqa: BLE001 - any bug in a handler: answered, logged if verbose
+            if self.server.verbose:
+                traceback.print_exc()
+            self._drop_file()
+            self._reset()
+            self.close_connection = True
+            self._status(500)
+
+    def setup(self) -> None:
+        """Called before each request (a hook for subclasses)."""
+
+    def finish(self) -> None:
+        """Called after each request (a hook for subclasses)."""
+
+    def handle(self) -> None:
+        method = getattr(self, "do_" + self.command, None) if self.command.isalpha() else None
+        if method is None:
+            return self._status(405, {"Allow": "GET, HEAD"})
+        method()
 
     def do_GET(self) -> None:
         self._serve(body=True)
 
     def do_HEAD(self) -> None:
         self._serve(body=False)
+
+    # ---------------------------------------------------------------- the answer, recorded
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.log_request(code)
+        self.code = code
+
+    def send_header(self, keyword: str, value: str) -> None:
+        if keyword.lower() == "connection" and value.lower() == "close":
+            self.close_connection = True
+        self.response_headers.append((keyword, str(value)))
+
+    def end_headers(self) -> None:
+        """Nothing to flush: `BoardApp` sends the recorded answer when the handler returns."""
+
+    def send_file(self, f, offset: int, count: int) -> None:
+        """Send `count` bytes of the open file `f` from `offset` as the body (after `wfile`)."""
+        self._drop_file()
+        self.file = (os.dup(f.fileno()), offset, count)
+
+    def _drop_file(self) -> None:
+        if getattr(self, "file", None) is not None:
+            os.close(self.file[0])
+            self.file = None
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        self.log_message('"%s" %s %s', self.requestline, str(code), str(size))
+
+    def log_message(self, format: str, *args) -> None:
+        if self.server.verbose:
+            sys.stderr.write(f"{self.client_address[0]} - - [{formatdate(usegmt=True)}] "
+                             f"{format % args}\n")
+
+    # ---------------------------------------------------------------- board keys
 
     def _resolve(self) -> tuple[str, Path] | None:
         key = _key_of(self.path)
@@ -253,29 +321,131 @@ class BoardHandler(BaseHTTPRequestHandler):
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             if body and length > 0:
-                self.connection.sendfile(f, offset=start, count=length)
+                self.send_file(f, start, length)
 
-    def log_message(self, format: str, *args) -> None:
-        if self.server.verbose:
-            super().log_message(format, *args)
+
+class _Connection:
+    """What `BoardHandler.connection` gives: enough to cut the client's connection."""
+
+    def __init__(self, server: BoardServer, client: Any):
+        self.server, self.client = server, client
+
+    def __hash__(self) -> int:
+        return hash(self.client)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Connection) and other.client == self.client
+
+    def shutdown(self, how: int = 2) -> None:
+        p = self.server._by_client.get(self.client)
+        if p is not None:
+            p.loop.call_soon_threadsafe(p.transport.abort)
+
+    def close(self) -> None:
+        self.shutdown()
+
+
+class BoardApp:
+    """The ASGI app: a `handler` decides each answer in a thread pool, then it is sent here,
+    the body read from its file in `SEND_CHUNK`s, each send given `send_timeout` seconds."""
+
+    def __init__(self, handler: type[BoardHandler] = BoardHandler, *,
+                 send_timeout: float = SEND_TIMEOUT, threads: int = THREADS):
+        self.handler, self.send_timeout = handler, send_timeout
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="board-serve")
+        self.server: BoardServer | None = None  # set by serve()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        assert self.server is not None
+        loop = asyncio.get_running_loop()
+        h = self.handler(self.server, scope)
+        try:
+            await loop.run_in_executor(self.pool, h.run)
+            await self._answer(h, send, loop, scope.get("client"))
+        finally:
+            h._drop_file()
+
+    async def _answer(self, h: BoardHandler, send: Any, loop: asyncio.AbstractEventLoop,
+                      client: Any) -> None:
+        # names as the handler wrote them (h11 keeps their case on the wire)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.response_headers]
+        if h.close_connection and not any(k.lower() == b"connection" for k, _ in headers):
+            headers.append((b"Connection", b"close"))
+        declared = next((v for k, v in headers if k.lower() == b"content-length"), b"")
+        await self._send(send, {"type": "http.response.start", "status": h.code or 500,
+                                "headers": headers}, client)
+        sent = 0
+        if h.command != "HEAD":
+            data = h.wfile.getvalue()
+            if data:
+                await self._send(send, {"type": "http.response.body", "body": data,
+                                        "more_body": True}, client)
+                sent += len(data)
+            if h.file is not None:
+                fd, offset, left = h.file
+                while left > 0 and not self.server.gone(client):
+                    data = await loop.run_in_executor(self.pool, os.pread, fd,
+                                                      min(SEND_CHUNK, left), offset)
+                    if not data:
+                        break
+                    await self._send(send, {"type": "http.response.body", "body": data,
+                                            "more_body": True}, client)
+                    offset, left, sent = offset + len(data), left - len(data), sent + len(data)
+            if declared.isdigit() and sent < int(declared) and h.code not in (204, 304):
+                # a body cut short (a file that shrank, an injected fault): the connection is
+                # closed so the client sees a short read, never a padded one
+                raise Aborted(f"{h.path}: sent {sent} of {int(declared)} bytes")
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False},
+                         client)
+
+    async def _send(self, send: Any, message: dict, client: Any) -> None:
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await send(message)
+        except TimeoutError:
+            # reset, not closed: a close would first wait for the stalled reader to take
+            # what is buffered
+            self.server.abort(client)
+            raise Aborted(f"a reader took nothing for {self.send_timeout} s") from None
 
 
 def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
           verbose: bool = False, handler: type[BoardHandler] = BoardHandler,
-          max_workers: int = MAX_WORKERS) -> BoardServer:
-    """A bound server for the board directory `root`; the caller runs `serve_forever()`."""
+          max_workers: int | None = None, max_conns: int = MAX_CONNS,
+          max_conns_per_client: int = MAX_CONNS_PER_CLIENT, head_timeout: float | None = None,
+          send_timeout: float = SEND_TIMEOUT) -> BoardServer:
+    """A bound server for the board directory `root`; the caller runs `serve_forever()`.
+    `max_workers`: the old name of `max_conns`; `head_timeout`: default `handler.timeout`."""
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise NotADirectoryError(f"board directory {root} does not exist")
-    return BoardServer((host, port), handler, root, verbose, max_workers)
+    app = BoardApp(handler, send_timeout=send_timeout)
+    server = BoardServer(
+        app, (host, port), max_conns=max_workers or max_conns,
+        max_conns_per_client=max_conns_per_client,
+        head_timeout=handler.timeout if head_timeout is None else head_timeout, verbose=verbose)
+    server.root = root
+    app.server = server
+    return server
 
 
 def run_server(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,
-               verbose: bool = False, max_workers: int = MAX_WORKERS) -> None:
+               verbose: bool = False, max_workers: int | None = None,
+               max_conns: int = MAX_CONNS, max_conns_per_client: int = MAX_CONNS_PER_CLIENT,
+               head_timeout: float | None = None) -> None:
     """Serve `root` until interrupted, printing the board URL."""
-    server = serve(root, host, port, verbose=verbose, max_workers=max_workers)
+    server = serve(root, host, port, verbose=verbose, max_workers=max_workers,
+                   max_conns=max_conns, max_conns_per_client=max_conns_per_client,
+                   head_timeout=head_timeout)
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving board {server.root} at http://{shown}:{server.server_port}", flush=True)
+    print(f"serving board {server.root} at http://{shown}:{server.server_port} (at most "
+          f"{server.max_conns} connections, {server.max_conns_per_client or 'any number'} per "
+          f"client; request heads within {server.head_timeout:g} s)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -114,8 +114,11 @@ def test_nginx_config_caches_only_version_objects():
     conf = nginx_config("http://origin.example:8000/boards", 8080, "/tmp/x")
     assert "proxy_cache_lock on;" in conf
     assert "map $upstream_status $stitch_no_store { 200 0; default 1; }" in conf
-    assert "proxy_pass http://stitch_origin/boards;" in conf
-    assert conf.count("proxy_cache stitch;") == 1 and "proxy_cache off;" in conf
+    # the prefix by a rewrite (nginx refuses a URI in proxy_pass inside a regex location)
+    assert "rewrite ^ /boards$uri break;" in conf and "proxy_pass http://stitch_origin;" in conf
+    assert conf.count("proxy_cache stitch;") == 1 and conf.count("proxy_cache off;") == 2
+    assert "bypass $http_" not in conf  # no client header bypasses the cache, but the refresh
+    assert "proxy_cache_bypass $stitch_refresh;" in conf
 
 
 def test_headers_strong_etag_304_and_404_not_cacheable(origin, relay):

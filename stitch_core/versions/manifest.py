@@ -165,8 +165,25 @@ def span_object(base: int) -> str:
 
 
 def span_index_key(run: str, version: int) -> str:
-    """The board key of the list of spans that end at `version` (written by `stitch squash`)."""
-    return f"{version_dir(run, version)}/spans.json"
+    """The board key of the list of spans that end at `version` (written by `stitch squash`):
+    a hint derived from the span documents, rewritten after each change (docs/versions.md)."""
+    return f"{version_dir(run, version)}/{SPAN_INDEX}"
+
+
+SPAN_INDEX = "spans.json"
+_SPAN_DOC_RE = re.compile(r"^span-(\d{6,})\.json$")
+
+
+def span_doc_base(name: str) -> int | None:
+    """The base of the span document named `name` (`span-000037.json` -> 37), else None."""
+    m = _SPAN_DOC_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_span_key(name: str) -> bool:
+    """Whether the file `name` of a version directory belongs to its squashed spans (a span's
+    document or object, or the span index)."""
+    return name == SPAN_INDEX or name.startswith("span-")
 
 
 class Span(BaseModel):
@@ -226,8 +243,9 @@ class Span(BaseModel):
 
 
 class SpanIndex(BaseModel):
-    """`spans.json` of a version directory: the bases of the spans that end there (a hint for
-    listing and retention; each span is still read and checked on its own)."""
+    """`spans.json` of a version directory: the bases of the spans that end there, derived from
+    the span documents (the truth) for readers that cannot list a board (HTTP); candidate names
+    only: each span is still read and checked on its own, and retention lists the documents."""
 
     model_config = ConfigDict(extra="forbid")
     run: str

@@ -2,9 +2,10 @@
 One WAN transfer per region per object.
 
 `stitch relay http --origin http://origin:8000 --port 8080 --dir DIR` runs nginx with
-`nginx_config` (a caching reverse proxy: objects under `versions/` cached whole after one
-upstream fetch, concurrent misses collapsed onto that one fetch by `proxy_cache_lock`, `latest`
-and every non-200 answer passed through and never stored). Followers are given
+`nginx_config` (stitch_core.versions.relay_nginx: a caching reverse proxy: objects under
+`versions/` cached whole after one upstream fetch, concurrent misses collapsed onto that one
+fetch by `proxy_cache_lock`, `latest`, `spans.json` and every non-200 answer passed through and
+never stored, a bad copy replaced on a rate-limited `X-Stitch-Refresh`). Followers are given
 `STITCH_BOARD=http://relay:8080,http://origin:8000` (a FallbackBoard: the relay, else the
 origin). For a NATS board, `region_config` + `mirror_board` make a region's nats-server a
 leafnode of the origin's with JetStream mirrors of the board's object store and `latest` KV
@@ -18,20 +19,25 @@ import argparse
 import asyncio
 import contextlib
 import os
-import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 
 from stitch_core.errors import StitchError
+from stitch_core.versions.relay_nginx import (
+    DEFAULT_MAX_CACHE,
+    RelayConfigError,
+    check_token,
+    nginx_config,
+)
 
 ENV_NGINX = "STITCH_NGINX"
-DEFAULT_MAX_CACHE = "20g"
+__all__ = ["DEFAULT_MAX_CACHE", "NginxRelay", "RelayConfigError", "RelayError", "find_nginx",
+           "hub_config", "mirror_board", "nginx_config", "region_config", "run_relay"]
 
 
 class RelayError(StitchError, RuntimeError):
@@ -47,103 +53,15 @@ def find_nginx() -> str:
                      f"scripts/dev.py setup does) or set ${ENV_NGINX} to its path")
 
 
-def _origin(url: str) -> tuple[str, str]:
-    """(host:port, path prefix) of an http(s) origin URL."""
-    u = urllib.parse.urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.netloc:
-        raise RelayError(f"not an HTTP origin URL: {url!r} (want http(s)://host:port[/prefix])")
-    return u.netloc, u.path.rstrip("/")
-
-
-def nginx_config(origin: str, port: int, directory: str | os.PathLike, *,
-                 host: str = "127.0.0.1", max_cache: str = DEFAULT_MAX_CACHE,
-                 upstream_rate: str | None = None) -> str:
-    """nginx.conf of an HTTP relay of the board at `origin`, listening on host:port, keeping
-    its cache, logs and temp files under `directory`.
-
-    * objects under `/versions/` are cached whole on their first 200 (Range requests are served
-      from the cached copy; nginx asks the origin for the whole object on a miss), for as long as
-      the origin's `Cache-Control: immutable, max-age=31536000` says;
-    * `proxy_cache_lock`: concurrent misses for one object wait for the one upstream fetch;
-    * `<run>/latest` (and anything else outside `versions/`) is never cached: every read goes to
-      the origin, so a follower never sees a stale `latest`;
-    * only 200 is stored: a 404 (a version not published yet) or a 5xx is passed on, never kept;
-    * `upstream_rate` (e.g. `"12500k"`, bytes/s): nginx's `limit_rate` on the region's answers
-      (a crude WAN stand-in; the fleet benchmark uses `tc` instead where it can).
-    """
-    hostport, prefix = _origin(origin)
-    scheme = urllib.parse.urlsplit(origin).scheme
-    d = Path(directory).expanduser().resolve()
-    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};" if os.geteuid() == 0 else ""
-    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    rate = f"limit_rate {upstream_rate};" if upstream_rate else ""
-    return f"""\
-# written by stitch (stitch_core/versions/relay.py): an HTTP relay of {origin}
-{user}
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  log_format relay '$msec $remote_addr "$request" $status $body_bytes_sent '
-                   'cache=$upstream_cache_status up_bytes=$upstream_bytes_received';
-  access_log {d}/access.log relay;
-  client_body_temp_path {d}/tmp/body;
-  proxy_temp_path {d}/tmp/proxy;
-  fastcgi_temp_path {d}/tmp/fastcgi;
-  uwsgi_temp_path {d}/tmp/uwsgi;
-  scgi_temp_path {d}/tmp/scgi;
-  sendfile on;
-  tcp_nodelay on;
-  keepalive_timeout 65s;
-  proxy_cache_path {d}/cache levels=1:2 keys_zone=stitch:16m max_size={max_cache}
-                   inactive=30d use_temp_path=off;
-  # store 200s only: a 404 may become a version later, a 206 is a piece of what we cache whole
-  map $upstream_status $stitch_no_store {{ 200 0; default 1; }}
-  upstream stitch_origin {{
-    server {hostport};
-    keepalive 32;
-  }}
-  server {{
-    listen {listen} backlog=4096;
-    proxy_http_version 1.1;
-    proxy_set_header Connection "";
-    proxy_set_header Host {hostport};
-    proxy_connect_timeout 5s;
-    proxy_read_timeout 60s;
-    add_header X-Stitch-Relay-Cache $upstream_cache_status always;
-    # immutable version objects (patches, snapshots, manifests): one upstream fetch per object
-    location ~ /versions/ {{
-      proxy_pass {scheme}://stitch_origin{prefix};
-      proxy_cache stitch;
-      proxy_cache_key $uri;
-      proxy_cache_lock on;
-      proxy_cache_lock_timeout 600s;
-      proxy_cache_lock_age 600s;
-      proxy_cache_revalidate on;
-      proxy_cache_use_stale error timeout updating http_500 http_502 http_503 http_504;
-      proxy_no_cache $stitch_no_store;
-      proxy_cache_bypass $http_x_stitch_bypass;
-      {rate}
-    }}
-    # latest and anything else: straight to the origin, never stored
-    location / {{
-      proxy_pass {scheme}://stitch_origin{prefix};
-      proxy_cache off;
-      proxy_buffering off;
-    }}
-  }}
-}}
-"""
-
-
 class NginxRelay:
     """An nginx HTTP relay child process (`nginx -g 'daemon off;'`); context manager."""
 
     def __init__(self, origin: str, port: int, directory: str | os.PathLike, *,
                  host: str = "127.0.0.1", max_cache: str = DEFAULT_MAX_CACHE,
-                 upstream_rate: str | None = None, binary: str | None = None):
+                 upstream_rate: str | None = None, binary: str | None = None,
+                 refresh_token: str | None = None):
         self.origin = origin.rstrip("/")
+        self.refresh_token = check_token(refresh_token) if refresh_token else None
         self.port = port
         self.host = host
         self.dir = Path(directory).expanduser().resolve()
@@ -178,7 +96,8 @@ class NginxRelay:
         for sub in ("cache", "tmp"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         text = nginx_config(self.origin, self.port, self.dir, host=self.host,
-                            max_cache=self.max_cache, upstream_rate=self.upstream_rate)
+                            max_cache=self.max_cache, upstream_rate=self.upstream_rate,
+                            refresh_token=self.refresh_token)
         tmp = self.conf.with_name("nginx.conf.tmp")
         tmp.write_text(text)
         tmp.replace(self.conf)
@@ -381,6 +300,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--dir", default="./stitch-relay", help="cache, logs and nginx.conf")
     h.add_argument("--max-cache", default=DEFAULT_MAX_CACHE, help="proxy_cache max_size")
+    h.add_argument("--refresh-token-file", metavar="FILE",
+                   help="honour X-Stitch-Refresh only with this file's token as its value "
+                        "(followers: $STITCH_RELAY_REFRESH_TOKEN); without it any follower may "
+                        "refresh an object, at most once a minute per object")
     h.set_defaults(fn=_run_http)
     n = sub.add_parser("nats", help="a region's nats-server: leafnode of the origin's, holding "
                                     "JetStream mirrors of the board")
@@ -419,7 +342,11 @@ def _run_nats(a: argparse.Namespace) -> int:
 
 
 def _run_http(a: argparse.Namespace) -> int:
-    relay = NginxRelay(a.origin, a.port, Path(a.dir), host=a.host, max_cache=a.max_cache)
+    token = None
+    if a.refresh_token_file:
+        token = Path(a.refresh_token_file).expanduser().read_text().strip()
+    relay = NginxRelay(a.origin, a.port, Path(a.dir), host=a.host, max_cache=a.max_cache,
+                       refresh_token=token)
     return run_relay(relay, f"HTTP relay of {a.origin} (nginx, cache in {relay.dir})")
 
 

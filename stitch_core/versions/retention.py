@@ -18,12 +18,17 @@ snapshot they accept.
 
 A version is deleted manifest first (no reader finds a manifest whose objects are gone; a
 follower that read it just before gets NotFound for an object, and re-plans on its next tick),
-then the objects its manifest lists. Objects a failed publish left without a manifest are not
-listed anywhere and stay (a local board keeps their directory).
+then the objects its manifest lists, then its squashed spans (documents first), then whatever
+else the board lists in its directory. The board's listing is the truth (`Board.list_keys`; a
+local directory and a NATS board list): a version directory below the cut is emptied whether or
+not it still has a manifest, so a gc or a squasher killed half-way leaves nothing that the next
+gc does not find (objects a failed publish left below the cut go too). Only on a board that
+cannot list keys are the spans found through the `spans.json` index.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from pydantic import BaseModel, ValidationError
@@ -33,6 +38,7 @@ from stitch_core.versions.manifest import (
     Manifest,
     check_run,
     manifest_key,
+    span_doc_base,
     span_index_key,
     span_key,
     span_object,
@@ -45,8 +51,8 @@ log = logging.getLogger("stitch.gc")
 
 
 class Deleted(BaseModel):
-    """One version gc deleted (or would delete): its kind (None: its manifest did not parse, so
-    only the manifest goes), its objects and their bytes (the manifest included)."""
+    """One version gc deleted (or would delete): its kind (None: no manifest, or one that did not
+    parse), its keys and their bytes (the manifest and the objects it lists)."""
 
     version: int
     kind: str | None
@@ -88,26 +94,55 @@ async def _newest_snapshots(board: Board, run: str, latest: int, k: int,
     return snaps, None
 
 
-async def _doomed(board: Board, run: str, version: int) -> tuple[Deleted, list[str]]:
-    """What deleting `version` removes: its entry and its keys, the manifest first."""
+async def _doomed(board: Board, run: str, version: int,
+                  listed: list[str] | None) -> tuple[Deleted, list[str]]:
+    """What deleting `version` removes: its entry and its keys, the manifest first, then the
+    objects it lists, then the span documents, then everything else the board lists in the
+    version's directory (span objects, the span index, what a killed writer left). `listed`:
+    the directory's keys as the board lists them (None: it cannot list; the spans are then
+    found through the span index)."""
     key = manifest_key(run, version)
-    raw = await board.get(key)
     try:
-        m: Manifest | None = Manifest.model_validate_json(raw)
-    except ValidationError:
-        m = None
-    keys = [key]
-    size = len(raw)
+        raw: bytes | None = await board.get(key)
+    except NotFound:
+        raw = None
+    m: Manifest | None = None
+    if raw is not None:
+        with contextlib.suppress(ValidationError):
+            m = Manifest.model_validate_json(raw)
+    keys = [key] if raw is not None else []
+    size = len(raw or b"")
+    vdir = version_dir(run, version)
     if m is not None:
-        vdir = version_dir(run, version)
         keys += [f"{vdir}/{o.path}" for o in m.objects]
         size += sum(o.size for o in m.objects)
-    for b in await span_bases(board, run, version):  # squashed spans ending there
-        keys += [span_key(run, version, b), f"{version_dir(run, version)}/{span_object(b)}"]
-    if await board.exists(span_index_key(run, version)):
-        keys.append(span_index_key(run, version))
+    if listed is not None:
+        rest = [k for k in listed if k not in keys]
+        docs = [k for k in rest if span_doc_base(k.rsplit("/", 1)[-1]) is not None]
+        keys += docs + [k for k in rest if k not in docs]
+    else:
+        for b in await span_bases(board, run, version):  # squashed spans ending there
+            keys += [span_key(run, version, b), f"{vdir}/{span_object(b)}"]
+        if await board.exists(span_index_key(run, version)):
+            keys.append(span_index_key(run, version))
+    if not keys:
+        raise NotFound(f"{vdir}: nothing there")
     return Deleted(version=version, kind=m.kind if m else None, objects=len(keys),
                    bytes=size), keys
+
+
+async def _listed_versions(board: Board, run: str) -> dict[int, list[str]] | None:
+    """The keys under each version directory of `run`, as the board lists them (None: it
+    cannot list keys)."""
+    keys = await board.list_keys(f"{run}/versions")
+    if keys is None:
+        return None
+    out: dict[int, list[str]] = {}
+    for k in keys:
+        parts = k.split("/")
+        if len(parts) >= 4 and parts[2].isdigit():
+            out.setdefault(int(parts[2]), []).append(k)
+    return out
 
 
 async def gc(board: Board, run: str, keep_snapshots: int, *, dry_run: bool = False,
@@ -138,9 +173,11 @@ async def gc(board: Board, run: str, keep_snapshots: int, *, dry_run: bool = Fal
     versions = await board.list_versions(run)
     if versions is None:
         raise BoardError(f"board {board.url} cannot list the versions of {run}")
-    for v in sorted(x for x in versions if x < cut):
+    listed = await _listed_versions(board, run)
+    for v in sorted(x for x in set(versions) | set(listed or ()) if x < cut):
         try:
-            entry, keys = await _doomed(board, run, v)
+            entry, keys = await _doomed(board, run, v,
+                                        None if listed is None else listed.get(v, []))
         except NotFound:  # deleted meanwhile (another gc)
             continue
         if not dry_run:

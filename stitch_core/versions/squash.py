@@ -39,8 +39,6 @@ from stitch_core.versions.board.base import Board, NotFound
 from stitch_core.versions.manifest import (
     Manifest,
     Span,
-    SpanIndex,
-    span_index_key,
     span_key,
     span_object,
     version_dir,
@@ -56,7 +54,9 @@ from stitch_core.versions.store import (
     plan,
     read_latest,
     read_manifest,
+    span_targets,
     write_span,
+    write_span_index,
 )
 from stitch_core.versions.trust import SigningKey, TrustSet
 
@@ -296,21 +296,30 @@ class Squasher:
         with tempfile.TemporaryDirectory(prefix="stitch-squash-") as tmp:
             await asyncio.gather(*(one(b, Path(tmp)) for b in bases))
         report.spans.sort(key=lambda r: r["base"])
-        key = span_index_key(self.run, self.version)
-        idx = SpanIndex(run=self.run, version=self.version, bases=sorted(written))
-        if not self.board.readonly and await self.board.exists(key):
-            await self.board.delete(key)  # a restarted squasher's: rewritten as it is now
-        await self.board.put(key, idx.model_dump_json().encode())
+        # the index last, derived from the documents now on the board (a hint for readers
+        # that cannot list; retention lists the documents themselves)
+        await write_span_index(self.board, self.run, self.version, written)
         self.targets.append(self.version)
 
     async def _delete_old(self, report: SquashReport) -> None:
         """Delete the spans of targets older than the `keep_targets` newest (they only ever
-        lead to a version that is not the newest)."""
+        lead to a version that is not the newest). The targets are found by listing the board,
+        so the spans of targets an earlier (killed, restarted) squasher wrote go too; a board
+        that cannot list falls back on the targets this squasher wrote."""
         if self.board.readonly:
             return
-        while len(self.targets) > self.keep_targets:
-            t = self.targets.pop(0)
-            report.deleted += await delete_spans(self.board, self.run, t)
+        listed = await span_targets(self.board, self.run)
+        if listed is None:
+            while len(self.targets) > self.keep_targets:
+                t = self.targets.pop(0)
+                report.deleted += await delete_spans(self.board, self.run, t)
+            return
+        keep = set(sorted(set(listed) | set(self.targets))[-self.keep_targets:])
+        keep.add(self.version)
+        for t in listed:
+            if t not in keep:
+                report.deleted += await delete_spans(self.board, self.run, t)
+        self.targets = [t for t in self.targets if t in keep]
 
     # ---------------------------------------------------------------- loop
 

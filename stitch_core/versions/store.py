@@ -16,15 +16,18 @@ from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 
-from stitch_core.versions.board.base import Board, BoardError, NotFound, TooLarge
+from stitch_core.versions.board.base import BadCopy, Board, BoardError, NotFound, TooLarge
 from stitch_core.versions.manifest import (
     MAX_MANIFEST_BYTES,
+    SPAN_INDEX,
     Latest,
     Manifest,
     ObjectRef,
     Span,
     SpanIndex,
+    is_span_key,
     manifest_key,
+    span_doc_base,
     span_index_key,
     span_key,
     span_object,
@@ -87,7 +90,8 @@ def failpoint(name: str) -> None:
     $STITCH_FAILPOINT is `name` (unset, as in production: one environment lookup, nothing else).
     The points of `write_version`: `publish:after-object` (the first object stored, the others
     not), `publish:after-objects`, `publish:after-manifest` and `publish:after-latest`
-    (tests/test_publish_crash.py kills a real publisher at each)."""
+    (tests/test_publish_crash.py kills a real publisher at each); of `write_span_index`:
+    `squash:after-index-delete` (tests/test_squash_crash.py kills a real squasher there)."""
     if os.environ.get(FAILPOINT_ENV) == name:
         log.warning("failpoint %s: killing this process (pid %d)", name, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
@@ -180,14 +184,12 @@ async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -
             await asyncio.to_thread(sha256_file, dest) == ref.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    await board.get_file(f"{version_dir(m.run, m.version)}/{ref.path}", dest, size=ref.size)
-    size = dest.stat().st_size
-    digest = await asyncio.to_thread(sha256_file, dest)
-    if size != ref.size or digest != ref.sha256:
-        dest.unlink(missing_ok=True)
-        raise VersionError(f"{m.run} v{m.version}/{ref.path}: checksum mismatch "
-                           f"({size} bytes, sha256 {digest[:12]}…; manifest says {ref.size}, "
-                           f"{ref.sha256[:12]}…)")
+    try:  # checked against the manifest; a FallbackBoard tries the next board on a bad copy
+        await board.get_verified(f"{version_dir(m.run, m.version)}/{ref.path}", dest,
+                                 ref.size, ref.sha256)
+    except BadCopy as e:
+        raise VersionError(f"{m.run} v{m.version}/{ref.path}: checksum mismatch ({e})") \
+            from None
     return dest
 
 
@@ -225,31 +227,93 @@ async def write_span(board: Board, span: Span, files: dict[str, Path],
     return span
 
 
-async def span_bases(board: Board, run: str, version: int) -> list[int]:
-    """The bases of the spans that end at `version` (from its span index; [] without one)."""
+async def span_files(board: Board, run: str, version: int) -> list[str] | None:
+    """The names of the span files (documents, objects, the index) in `version`'s directory,
+    as the board lists them (the truth); None where the board cannot list."""
+    vdir = version_dir(run, version)
+    keys = await board.list_keys(vdir)
+    if keys is None:
+        return None
+    names = (k[len(vdir) + 1:] for k in keys)
+    return sorted(n for n in names if "/" not in n and is_span_key(n))
+
+
+async def span_targets(board: Board, run: str) -> list[int] | None:
+    """The versions of `run` that hold span files (any: a document, an object left without
+    one, an index), from a listing of the board; None where the board cannot list."""
+    keys = await board.list_keys(f"{run}/versions")
+    if keys is None:
+        return None
+    out = set()
+    for k in keys:
+        parts = k.split("/")
+        if len(parts) == 4 and parts[2].isdigit() and is_span_key(parts[3]):
+            out.add(int(parts[2]))
+    return sorted(out)
+
+
+async def _index_bases(board: Board, run: str, version: int) -> list[int] | None:
+    """The bases `spans.json` names (None: no index, or an unreadable one)."""
     try:
         raw = await board.get(span_index_key(run, version), 1 << 20)
     except NotFound:
-        return []
+        return None
     try:
         return SpanIndex.model_validate_json(raw).bases
     except ValueError:
-        return []
+        return None
+
+
+async def span_bases(board: Board, run: str, version: int) -> list[int]:
+    """The bases of the spans that end at `version`: their documents as the board lists them,
+    or, on a board that cannot list (HTTP), the candidates `spans.json` names ([] without
+    one). Candidates only: a reader still reads and checks each span (`read_span`)."""
+    names = await span_files(board, run, version)
+    if names is not None:
+        return sorted(b for n in names if (b := span_doc_base(n)) is not None)
+    return await _index_bases(board, run, version) or []
+
+
+async def write_span_index(board: Board, run: str, version: int,
+                           bases: Iterable[int] | None = None) -> list[int]:
+    """Rewrite `spans.json` of `version` from its span documents (listed; `bases` on a board
+    that cannot list), after them: the index is a derived hint. Not rewritten when it already
+    says that, removed when there are no spans. A rewrite is a delete and a put (objects are
+    create-only): a writer killed between the two leaves no index until the next rewrite, and
+    nothing leaks, since retention lists the documents. Returns the bases written."""
+    listed = await span_files(board, run, version)
+    want = sorted(b for n in listed if (b := span_doc_base(n)) is not None) \
+        if listed is not None else sorted(bases or [])
+    have = await _index_bases(board, run, version)
+    if have == want:
+        return want
+    key = span_index_key(run, version)
+    if have is not None or (listed is not None and SPAN_INDEX in listed) or \
+            await board.exists(key):
+        await board.delete(key)
+        failpoint("squash:after-index-delete")
+    if want:
+        await board.put(key, SpanIndex(run=run, version=version, bases=want)
+                        .model_dump_json().encode())
+    return want
 
 
 async def delete_spans(board: Board, run: str, version: int,
                        bases: Iterable[int] | None = None) -> int:
-    """Delete the spans ending at `version` (documents first, then objects, then the index);
-    the number of keys deleted."""
-    bases = list(bases) if bases is not None else await span_bases(board, run, version)
+    """Delete the spans ending at `version`: every span file the board lists there (documents
+    first, then objects, then the index), so what a killed writer left is found too; on a
+    board that cannot list, the spans `bases` or the index names. The number of keys deleted."""
     vdir = version_dir(run, version)
-    n = 0
-    for b in bases:
-        await board.delete(span_key(run, version, b))
-        await board.delete(f"{vdir}/{span_object(b)}")
-        n += 2
-    await board.delete(span_index_key(run, version))
-    return n + 1
+    names = await span_files(board, run, version)
+    if names is None:
+        bs = list(bases) if bases is not None else await _index_bases(board, run, version) or []
+        names = [n for b in bs for n in (f"span-{b:06d}.json", span_object(b))] + [SPAN_INDEX]
+    docs = [n for n in names if span_doc_base(n) is not None]
+    order = docs + [n for n in names if n not in docs and n != SPAN_INDEX] + \
+        [n for n in names if n == SPAN_INDEX]
+    for n in order:
+        await board.delete(f"{vdir}/{n}")
+    return len(order)
 
 
 @dataclass(frozen=True)

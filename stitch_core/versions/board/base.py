@@ -8,7 +8,9 @@ Everything here is async so one follower can drive HTTP, NATS and local boards a
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import hashlib
 import os
 import re
 import stat
@@ -51,6 +53,28 @@ class ReadOnlyBoard(BoardError):
     """Raised on a write (put, move_latest, delete) to a read-only board."""
 
 
+class BadCopy(BoardError):
+    """A board answered an object whose bytes are not the ones its manifest lists (size or
+    SHA-256): a corrupted or tampered copy. The downloaded file is removed; a FallbackBoard
+    fetches the object again from the next board (docs/relays.md)."""
+
+
+def check_copy(dest: Path, key: str, size: int, sha256: str, where: str) -> None:
+    """BadCopy (and `dest` removed) unless the file at `dest` is `size` bytes with SHA-256
+    `sha256` (blocking: it hashes the file)."""
+    got = dest.stat().st_size
+    h = hashlib.sha256()
+    if got == size:
+        with open(dest, "rb") as f:
+            while b := f.read(1 << 20):
+                h.update(b)
+    digest = h.hexdigest() if got == size else "-"
+    if got != size or digest != sha256:
+        dest.unlink(missing_ok=True)
+        raise BadCopy(f"{key} from {where}: {got} bytes, sha256 {digest[:12]}…; the manifest "
+                      f"says {size}, {sha256[:12]}…")
+
+
 
 def check_key(key: str) -> str:
     """`key` itself if it is a safe relative board key, else BoardError."""
@@ -78,6 +102,18 @@ class Board(ABC):
             f.write(data)
         tmp.replace(dest)
 
+    async def get_verified(self, key: str, dest: Path, size: int, sha256: str) -> None:
+        """`get_file`, then check the copy against the `size` and `sha256` a manifest lists;
+        BadCopy (nothing left at `dest`) if it differs. A FallbackBoard overrides it to fetch
+        a bad copy again from the next board."""
+        await self.get_file(key, dest, size=size)
+        await asyncio.to_thread(check_copy, dest, key, size, sha256, self.url)
+
+    async def get_refreshed(self, key: str, dest: Path, size: int) -> bool:
+        """Fetch `key` again asking a caching replica (an HTTP relay) to replace its copy from
+        its origin; False (nothing fetched) where this board keeps no copy to refresh."""
+        return False
+
     @abstractmethod
     async def put(self, key: str, src: bytes | Path) -> None:
         """Store an immutable object durably. Rewriting a key with other content is an error."""
@@ -97,6 +133,13 @@ class Board(ABC):
 
     async def list_versions(self, run: str) -> list[int] | None:
         """Versions present on the board, if the backend can list (None: it cannot)."""
+        return None
+
+    async def list_keys(self, prefix: str) -> list[str] | None:
+        """Every key under the directory `prefix` (`run/versions/000042`: the keys that start
+        with `prefix + "/"`), sorted, if the backend can list (None: it cannot, e.g. HTTP).
+        Writable boards list: retention finds what to delete this way, never through an index
+        a killed writer may have left behind (docs/versions.md)."""
         return None
 
     async def delete(self, key: str) -> None:

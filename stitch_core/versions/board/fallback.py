@@ -13,6 +13,14 @@ docs/relays.md), from the origin when the relay fails. A first board that keeps 
 behind, the read waits up to `latest_wait` seconds for it to catch up (then the version's objects
 are read from it as well) and else returns the origin's. Followers never write to a board, so a
 write, a delete or a `latest` move is refused (ReadOnlyBoard): publish to the origin.
+
+A copy that does not match its manifest (`get_verified`: the size and SHA-256 a manifest lists)
+is not the end either: a relay that cached a corrupted or tampered object would otherwise stop
+its whole region. The board that served it is asked once to refresh it (`get_refreshed`: an HTTP
+relay re-fetches the object from its origin and replaces its cached copy, at most once a minute
+per object), and when that copy is bad too, or the board cannot refresh, the object is fetched
+from the next board. A bad copy does not put a board in its cooldown (it answers; one object is
+wrong).
 """
 
 from __future__ import annotations
@@ -20,21 +28,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from stitch_core.versions.board.base import (
+    BadCopy,
     Board,
     BoardError,
     NotFound,
     ReadOnlyBoard,
     TooLarge,
+    check_copy,
 )
 from stitch_core.versions.manifest import Latest
 
 log = logging.getLogger("stitch.board.fallback")
+# the value of a refresh request's header, where the region's relay was given a refresh token
+# (`stitch relay http --refresh-token-file`); without it the header says "1"
+ENV_REFRESH_TOKEN = "STITCH_RELAY_REFRESH_TOKEN"
 T = TypeVar("T")
 
 
@@ -59,6 +73,8 @@ class FallbackBoard(Board):
         self.check_latest = check_latest
         self.latest_wait = latest_wait
         self.behind = 0  # reads of latest that waited for the replica, or read the origin
+        self.bad_copies = [0] * len(boards)  # objects each board served that did not verify
+        self.refreshed = [0] * len(boards)  # bad copies each board replaced when asked to
 
     def _order(self) -> list[int]:
         now = time.monotonic()
@@ -66,7 +82,8 @@ class FallbackBoard(Board):
         down = [i for i in range(len(self.boards)) if self._down_until[i] > now]
         return up + down  # boards in their cooldown are still tried, last
 
-    async def _first(self, what: str, call: Callable[[Board], Awaitable[T]]) -> T:
+    async def _first(self, what: str, call: Callable[[Board], Awaitable[T]], *,
+                     on_bad: Callable[[int], Awaitable[T]] | None = None) -> T:
         errors: list[BaseException] = []
         for i in self._order():
             board = self.boards[i]
@@ -74,6 +91,24 @@ class FallbackBoard(Board):
                 out = await call(board)
             except TooLarge:
                 raise
+            except BadCopy as e:  # this board's copy is wrong; the board itself answers
+                self.bad_copies[i] += 1
+                log.warning("board %s served a bad copy (%s); %s", board.url, e,
+                            "asking it to refresh" if on_bad else "trying the next")
+                if on_bad is not None and i < len(self.boards) - 1:
+                    try:
+                        out = await on_bad(i)
+                    except (BoardError, OSError) as e2:
+                        log.warning("board %s: no good copy after a refresh (%s); trying the "
+                                    "next", board.url, e2)
+                        errors.append(e)
+                        continue
+                    self.refreshed[i] += 1
+                    self.served[i] += 1
+                    self._last = i
+                    return out
+                errors.append(e)
+                continue
             except NotFound as e:
                 log.debug("board %s: %s not found; trying the next", board.url, what)
                 errors.append(e)
@@ -92,6 +127,8 @@ class FallbackBoard(Board):
         if all(isinstance(e, NotFound) for e in errors):
             raise NotFound(f"{what}: not found on any of {self.url}")
         last = next(e for e in reversed(errors) if not isinstance(e, NotFound))
+        if isinstance(last, BadCopy):
+            raise BadCopy(f"{what}: no board holds a good copy ({self.url}); last: {last}")
         raise BoardError(f"{what}: every board failed ({self.url}); last: {last}") from last
 
     async def get(self, key: str, max_bytes: int | None = None) -> bytes:
@@ -100,6 +137,32 @@ class FallbackBoard(Board):
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         # a partial download from a failed board is resumed from the next (same bytes: immutable)
         await self._first(key, lambda b: b.get_file(key, dest, size=size))
+
+    async def get_verified(self, key: str, dest: Path, size: int, sha256: str) -> None:
+        """The object from the first board whose copy matches `size` and `sha256`: a board that
+        serves a bad copy is asked to refresh it (an HTTP relay re-fetches it from its origin),
+        then the next board is tried (module doc)."""
+
+        async def refreshed(i: int) -> None:
+            if not await self.boards[i].get_refreshed(key, dest, size):
+                raise BadCopy(f"{key}: {self.boards[i].url} cannot refresh its copy")
+            await asyncio.to_thread(check_copy, dest, key, size, sha256, self.boards[i].url)
+
+        await self._first(key, lambda b: b.get_verified(key, dest, size, sha256),
+                          on_bad=refreshed)
+
+    async def get_refreshed(self, key: str, dest: Path, size: int) -> bool:
+        return False  # get_verified refreshes the board that served a bad copy
+
+    async def list_keys(self, prefix: str) -> list[str] | None:
+        for i in self._order():
+            try:
+                got = await self.boards[i].list_keys(prefix)
+            except (BoardError, OSError):
+                continue
+            if got is not None:
+                return got
+        return None
 
     async def exists(self, key: str) -> bool:
         async def one(b: Board) -> bool:
@@ -179,6 +242,7 @@ def open_fallback(urls: list[str], open_one: Callable[[str], Board], *,
         if isinstance(b, HttpBoard):
             import httpx
 
+            b.refresh_token = b.refresh_token or os.environ.get(ENV_REFRESH_TOKEN) or None
             b.attempts = max(1, min(b.attempts, relay_attempts))
             b.timeout = httpx.Timeout(b.timeout.read or 30.0, connect=2.0)
     # an HTTP relay passes `latest` through to the origin (never cached: docs/relays.md), so

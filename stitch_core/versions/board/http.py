@@ -20,6 +20,7 @@ import httpx
 from pydantic import ValidationError
 
 from stitch_core.versions.board.base import (
+    BadCopy,
     Board,
     BoardError,
     NotFound,
@@ -36,6 +37,11 @@ T = TypeVar("T")
 NO_CACHE = {"Cache-Control": "no-cache", "Pragma": "no-cache"}
 CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 CHUNK = 1 << 20
+# asks a Stitch relay (nginx, stitch_core.versions.relay) to fetch this object from its origin
+# again and replace its cached copy: honoured at most once a minute per object (and, where the
+# relay has a refresh token, only with the token as the value); sent by a FallbackBoard only,
+# after the relay served a copy that did not match the manifest (docs/relays.md)
+REFRESH_HEADER = "X-Stitch-Refresh"
 
 
 class _Transient(Exception):
@@ -49,8 +55,9 @@ class HttpBoard(Board):
 
     def __init__(self, url: str, *, timeout: float = 30.0, connect_timeout: float = 30.0,
                  attempts: int = 5, backoff: float = 0.2, max_backoff: float = 10.0,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, refresh_token: str | None = None):
         self.url = url.rstrip("/")
+        self.refresh_token = refresh_token  # the value of REFRESH_HEADER (None: "1")
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.attempts = max(1, attempts)
         self.backoff = backoff
@@ -147,16 +154,31 @@ class HttpBoard(Board):
         except ValidationError as e:
             raise BoardError(f"bad latest at {self._url(key)}: {e}") from e
 
-    async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
-        """Download to `dest` via `dest.part`, resuming it; `size`: the exact expected size."""
+    async def get_refreshed(self, key: str, dest: Path, size: int) -> bool:
+        """One GET of `key` carrying REFRESH_HEADER (not retried: a relay that refuses the
+        refresh, 429 once a minute per object, is not asked again)."""
+        tmp = part_path(Path(dest))
+        tmp.unlink(missing_ok=True)  # a refreshed copy is fetched whole, never resumed
+        await self.get_file(key, dest, size=size, attempts=1,
+                            headers={REFRESH_HEADER: self.refresh_token or "1"})
+        return True
+
+    async def get_file(self, key: str, dest: Path, size: int | None = None, *,
+                       headers: dict[str, str] | None = None,
+                       attempts: int | None = None) -> None:
+        """Download to `dest` via `dest.part`, resuming it; `size`: the exact expected size
+        (BadCopy if the object is not that size). `headers`: extra request headers;
+        `attempts`: this download's attempts (default: the board's)."""
         url = self._url(key)
+        extra = headers or {}
+        attempts = attempts or self.attempts
         dest = Path(dest)
         tmp = part_path(dest)
         wrote = 0
 
         def reject(msg: str) -> BoardError:
             tmp.unlink(missing_ok=True)
-            return BoardError(f"GET {url}: {msg}")
+            return BadCopy(f"GET {url}: {msg}")
 
         async def once() -> bool:
             """One request; True when `tmp` holds the whole object, False to start over."""
@@ -165,10 +187,10 @@ class HttpBoard(Board):
             if size is not None and have > size:
                 tmp.unlink()
                 have = 0
-            headers = {"Accept-Encoding": "identity"}
+            hdrs = {**extra, "Accept-Encoding": "identity"}
             if have:
-                headers["Range"] = f"bytes={have}-"
-            async with self._http().stream("GET", url, headers=headers) as r:
+                hdrs["Range"] = f"bytes={have}-"
+            async with self._http().stream("GET", url, headers=hdrs) as r:
                 if r.status_code == 416 and have:  # the .part is complete, or stale
                     m = re.match(r"^bytes \*/(\d+)$", r.headers.get("Content-Range", ""))
                     if m and int(m[1]) == have:
@@ -217,7 +239,7 @@ class HttpBoard(Board):
                 continue
             except (httpx.TransportError, _Transient) as e:
                 failures = 1 if wrote > before else failures + 1  # progress resets the count
-                if failures >= self.attempts:
+                if failures >= attempts:
                     raise BoardError(f"GET {url}: {e!r} (gave up after {failures} attempts)") \
                         from e
                 await asyncio.sleep(self._delay(failures))

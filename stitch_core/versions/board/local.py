@@ -208,3 +208,21 @@ class LocalBoard(Board):
             return []
         return sorted(int(p.name) for p in d.iterdir()
                       if p.name.isdigit() and (p / "manifest.json").is_file())
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        """The keys of the files under the directory `prefix` (temporary and other dot files
+        are not keys)."""
+        d = self._path(prefix)
+
+        def walk() -> list[str]:
+            if not d.is_dir():
+                return []
+            out = []
+            for dirpath, dirnames, files in os.walk(d):
+                dirnames[:] = [n for n in dirnames if not n.startswith(".")]
+                for name in files:
+                    if not name.startswith("."):
+                        out.append((Path(dirpath) / name).relative_to(self.root).as_posix())
+            return sorted(out)
+
+        return await asyncio.to_thread(walk)

@@ -446,26 +446,36 @@ class NatsBoard(Board):
         except Exception as e:
             log.warning("could not purge orphaned chunks %s: %s", chunk_subject, e)
 
-    async def list_versions(self, run: str) -> list[int]:
-        """Versions of `run` with a manifest object (from the bucket's metadata subjects)."""
-        check_run(run)
-        pat = re.compile(rf"^{re.escape(run)}/versions/(\d+)/{re.escape(MANIFEST)}$")
-        with self._errors(f"list versions of {run}"):
+    async def _names(self, what: str) -> list[str]:
+        """The keys of every stored object (from the bucket's metadata subjects: a deleted
+        object's subject is purged, so it is not listed)."""
+        with self._errors(what):
             js = await self._ready()
             try:
                 si = await js.stream_info(self._stream, subjects_filter=f"$O.{self.bucket}.M.>")
             except nats.js.errors.NotFoundError:  # no bucket yet
                 return []
-        found = set()
+        out = []
         for subject in si.state.subjects or {}:
             token = subject.rsplit(".", 1)[-1]
             try:
-                name = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+                out.append(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode())
             except ValueError:
                 continue
-            if m := pat.match(name):
-                found.add(int(m.group(1)))
+        return out
+
+    async def list_versions(self, run: str) -> list[int]:
+        """Versions of `run` with a manifest object (from the bucket's metadata subjects)."""
+        check_run(run)
+        pat = re.compile(rf"^{re.escape(run)}/versions/(\d+)/{re.escape(MANIFEST)}$")
+        found = {int(m.group(1)) for name in await self._names(f"list versions of {run}")
+                 if (m := pat.match(name))}
         return sorted(found)
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        """The keys of the objects under the directory `prefix`."""
+        start = check_key(prefix) + "/"
+        return sorted(n for n in await self._names(f"list {prefix}") if n.startswith(start))
 
     # -- latest ----------------------------------------------------------------------------------
 

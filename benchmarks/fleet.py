@@ -33,7 +33,7 @@ script says so and runs on loopback with the delay proxies only (no rate limit, 
 link counters; the origin's byte counts still hold).
 
 Writes benchmarks/results/fleet.json and .md, a PNG (if matplotlib is installed) and, with
-``--readme``, the table between the FLEET markers of README.md.
+``--readme``, the table between the FLEET markers of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -590,11 +590,11 @@ def summary(r: dict) -> str:
 
 
 def write_readme(block: str) -> None:
-    p = ROOT / "README.md"
+    """The table between the FLEET markers of docs/benchmarks.md (where result tables live)."""
+    p = ROOT / "docs" / "benchmarks.md"
     s = p.read_text()
     if BEGIN not in s or END not in s:
-        print(f"README.md has no {BEGIN} ... {END} markers: not written", file=sys.stderr)
-        return
+        sys.exit(f"{p} has no {BEGIN} ... {END} markers: not written")
     head, rest = s.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     p.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
@@ -655,7 +655,7 @@ def main() -> None:
                     help="http: a board directory served over HTTP, nginx relays; nats: a NATS "
                          "board, region nats-servers as leafnodes with JetStream mirrors")
     ap.add_argument("--out", default="fleet", help="results/<out>.json/.md/.png")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md")
+    ap.add_argument("--readme", action="store_true", help="write the table into docs/benchmarks.md")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.netns = not a.no_netns and netns_works()
@@ -670,7 +670,7 @@ def main() -> None:
     (RESULTS / f"{a.out}.md").write_text(text + "\n")
     plotted = plot(r, RESULTS / f"{a.out}.png")
     if a.readme:
-        write_readme(summary(r) + ("\n\n![fleet](benchmarks/results/fleet.png)" if plotted
+        write_readme(summary(r) + ("\n\n![fleet](../benchmarks/results/fleet.png)" if plotted
                                    else ""))
 
 

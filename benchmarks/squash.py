@@ -210,11 +210,13 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def update_readme(md: str) -> None:
-    readme = ROOT.parent / "README.md"
-    text = readme.read_text()
-    if BEGIN in text and END in text:
-        a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme.write_text(text[:a] + "\n" + md + "\n" + text[b:])
+    """The table between the SQUASH markers of docs/benchmarks.md (where the result tables live)."""
+    page = ROOT.parent / "docs" / "benchmarks.md"
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        sys.exit(f"{page} has no {BEGIN} ... {END} markers: not written")
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    page.write_text(text[:a] + "\n" + md + "\n" + text[b:])
 
 
 def main() -> None:
@@ -232,7 +234,8 @@ def main() -> None:
     ap.add_argument("--md", default=str(ROOT / "results" / "squash.md"))
     ap.add_argument("--json", default=str(ROOT / "results" / "squash.json"))
     ap.add_argument("--png", default=str(ROOT / "results" / "squash.png"))
-    ap.add_argument("--readme", action="store_true", help="also update README's SQUASH table")
+    ap.add_argument("--readme", action="store_true",
+                    help="also update the SQUASH table of docs/benchmarks.md")
     ap.add_argument("--plot-only", action="store_true", help="redraw --png from --json")
     a = ap.parse_args()
     if a.plot_only:

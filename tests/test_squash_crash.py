@@ -22,8 +22,8 @@ import torch
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.manifest import Latest, latest_key
 from stitch_core.versions.retention import gc
+from stitch_core.versions.span_index import span_bases
 from stitch_core.versions.squash import Squasher
-from stitch_core.versions.store import span_bases
 from stitch_trainer.publisher import Publisher
 
 RUN = "crash"
@@ -163,3 +163,32 @@ def test_a_squasher_sigkilled_between_index_delete_and_put_leaks_nothing(publish
     asyncio.run(recover())
     spans = [f for f in _files(root) if "/span" in f]
     assert {f.split("/")[2] for f in spans} == {"000009", "000010"}, spans
+
+
+async def test_nats_board_lists_span_files_and_deletes_what_a_killed_writer_left(nats_server):
+    """The NATS board lists keys too (its bucket's metadata subjects): an orphaned span object
+    and a stale index are found and deleted through the listing, not the index."""
+    import uuid
+
+    from stitch_core.versions.board.nats import NatsBoard
+    from stitch_core.versions.manifest import span_index_key, span_key
+    from stitch_core.versions.span_index import delete_spans, span_targets, write_span_index
+
+    b = NatsBoard(f"{nats_server.url}/l{uuid.uuid4().hex[:8]}", timeout=5)
+    try:
+        vdir = f"{RUN}/versions/000007"
+        await b.put(f"{vdir}/manifest.json", b"{}")
+        await b.put(f"{vdir}/span-000003.stp", b"orphan: its document never written")
+        await b.put(span_key(RUN, 7, 4), b"{}")
+        await b.put(f"{vdir}/span-000004.stp", b"x")
+        await b.put(f"{RUN}/versions/000070/patch.stp", b"y")  # another directory, same prefix
+        assert await b.list_keys(vdir) == [f"{vdir}/manifest.json", f"{vdir}/span-000003.stp",
+                                           f"{vdir}/span-000004.json", f"{vdir}/span-000004.stp"]
+        assert await write_span_index(b, RUN, 7) == [4]  # from the documents
+        assert await span_bases(b, RUN, 7) == [4] and await span_targets(b, RUN) == [7]
+        assert await b.exists(span_index_key(RUN, 7))
+        assert await delete_spans(b, RUN, 7) == 4
+        assert await b.list_keys(vdir) == [f"{vdir}/manifest.json"]
+        assert await span_targets(b, RUN) == []
+    finally:
+        await b.close()

@@ -44,7 +44,8 @@ from stitch_core.versions.manifest import (
     span_object,
     version_dir,
 )
-from stitch_core.versions.store import VersionError, read_latest, read_manifest, span_bases
+from stitch_core.versions.span_index import span_bases
+from stitch_core.versions.store import VersionError, read_latest, read_manifest
 from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.gc")

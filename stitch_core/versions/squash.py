@@ -44,9 +44,9 @@ from stitch_core.versions.manifest import (
     version_dir,
 )
 from stitch_core.versions.materialize import open_patch
+from stitch_core.versions.span_index import delete_spans, span_targets, write_span_index
 from stitch_core.versions.store import (
     VersionError,
-    delete_spans,
     fetch_object,
     fetch_patch,
     now,
@@ -54,9 +54,7 @@ from stitch_core.versions.store import (
     plan,
     read_latest,
     read_manifest,
-    span_targets,
     write_span,
-    write_span_index,
 )
 from stitch_core.versions.trust import SigningKey, TrustSet
 

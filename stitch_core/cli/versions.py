@@ -247,10 +247,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("pull", help="materialise a version as an HF directory")
     pl.add_argument("board")
     pl.add_argument("--run", required=True)
-    pl.add_argument("--version", default="latest", help="N or latest")
+    pl.add_argument("--version", default="latest",
+                    help="N or latest (going back from the version the output directory holds "
+                         "takes naming N)")
     pl.add_argument("-o", "--output", required=True)
     pl.add_argument("--cache-dir")
-    pl.add_argument("--force", action="store_true")
+    pl.add_argument("--force", action="store_true",
+                    help="replace an existing output directory (never with an older version "
+                         "of its run through latest: a stale board or relay is refused)")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--trust", action="append", metavar="PUB",
                     help="accept only versions signed by this public key (a .pub file or an "

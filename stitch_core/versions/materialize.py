@@ -144,6 +144,30 @@ def replace(tmp: Path, out: Path, force: bool) -> None:
     os.replace(tmp, out)
 
 
+class RollbackRefused(VersionError):
+    """`pull` of `latest` into a directory that holds a newer pulled version of the same run:
+    a stale board or relay (its `latest` behind, however well signed) must not roll it back."""
+
+
+def pulled_version(out: Path, run: str) -> int | None:
+    """The version of `run` that a directory `stitch pull` wrote holds (its PULLED_MANIFEST),
+    else None (no directory, another run, no or an unreadable manifest)."""
+    try:
+        m = Manifest.model_validate_json((out / PULLED_MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return m.version if m.run == run else None
+
+
+def check_not_back(out: Path, run: str, version: int) -> None:
+    """RollbackRefused if `out` holds a version of `run` newer than `version`."""
+    held = pulled_version(out, run)
+    if held is not None and version < held:
+        raise RollbackRefused(
+            f"{out} holds {run} v{held} and the board's latest is v{version} (a stale board or "
+            f"relay?): not rolling it back; name --version {version} to go back on purpose")
+
+
 def open_patch(parts: list[Path], m: Manifest) -> PatchReader | PatchSet:
     """The fetched parts of `m`'s patch as one reader (a PatchSet for a multi-part patch)."""
     # each part hashed through the descriptor it is then read from (the bytes used)
@@ -166,12 +190,16 @@ async def pull(
 ) -> Manifest:
     """Materialise `version` (None: latest) of `run` as an HF directory at `out`. With a trust
     set, `latest` and every manifest used must be signed by one of its keys (RefusedVersion
-    before anything is fetched or written)."""
+    before anything is fetched or written). Never backwards unless asked: when `version` is None
+    and `out` holds a newer pulled version of `run`, RollbackRefused (even with `force`), before
+    anything is fetched, and again just before `out` is replaced."""
+    back_ok = version is not None  # an explicit version may be an older one, on purpose
     if version is None:
         latest = await read_latest(board, run, trust)
         if latest is None:
             raise VersionError(f"run {run!r} has no versions on {board.url}")
         version = latest.version
+        check_not_back(out, run, version)
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists (use --force to replace it)")
     await read_manifest(board, run, version, trust)  # the target itself: refused by name
@@ -179,7 +207,8 @@ async def pull(
     # in use while we read them: a follower sharing the cache never prunes them meanwhile
     holds = [await asyncio.to_thread(hold, cache, run, s.version) for s in steps]
     try:
-        return await _materialise(board, steps, out, cache, force=force, quiet=quiet)
+        return await _materialise(board, steps, out, cache, force=force, quiet=quiet,
+                                  back_ok=back_ok)
     finally:
         for h in holds:
             if h is not None:
@@ -187,7 +216,7 @@ async def pull(
 
 
 async def _materialise(board: Board, steps: list[Step], out: Path, cache: Path, *, force: bool,
-                       quiet: bool) -> Manifest:
+                       quiet: bool, back_ok: bool = True) -> Manifest:
     """`pull` once planned: fetch the steps' objects, apply the chain, write `out`."""
     run, version = steps[-1].manifest.run, steps[-1].manifest.version
     snap, patches = steps[0], steps[1:]
@@ -236,6 +265,8 @@ async def _materialise(board: Board, steps: list[Step], out: Path, cache: Path, 
         ) as bar:
             await asyncio.to_thread(apply_patches, base, readers, tmp, bar.update)
         (tmp / PULLED_MANIFEST).write_text(target.model_dump_json(indent=1))
+        if not back_ok:  # another pull may have written a newer one meanwhile
+            check_not_back(out, run, version)
         replace(tmp, out, force)
     except BaseException:
         remove(tmp)

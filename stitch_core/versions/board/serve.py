@@ -23,7 +23,6 @@ chunks off the event loop, never whole. For a fleet, put a real HTTP cache or CD
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import json
@@ -32,7 +31,6 @@ import re
 import sys
 import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from email.utils import formatdate
 from http import HTTPStatus
 from http.client import HTTPMessage
@@ -45,8 +43,10 @@ from stitch_core.versions.board.serve_conns import (
     HEAD_TIMEOUT,
     MAX_CONNS,
     MAX_CONNS_PER_CLIENT,
-    Aborted,
+    SEND_TIMEOUT,
+    BoardApp,
     BoardServer,
+    Connection,
 )
 
 __all__ = ["HEAD_TIMEOUT", "IMMUTABLE", "MAX_CONNS", "MAX_CONNS_PER_CLIENT", "MAX_WORKERS",
@@ -58,9 +58,6 @@ RANGE_RE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # longer numbers: ignor
 MUTABLE_NAMES = frozenset({"latest", "spans.json"})  # rewritten in place: revalidated each time
 MAX_WORKERS = MAX_CONNS  # the old name of the connection cap (`--workers`)
 CHUNK = 1 << 20  # hashing
-SEND_CHUNK = 256 << 10  # a body is read and sent this much at a time
-SEND_TIMEOUT = 60.0  # seconds one chunk may wait for a reader that takes nothing
-THREADS = 32  # answers decided at once (stat, open, ETag: disk work, off the event loop)
 MAX_LISTED = 1 << 20  # a manifest read for its object digests (ETags) at most this big
 _ETAGS: dict[tuple, str] = {}  # (path, inode, mtime, size) -> strong ETag, bounded
 _ETAGS_MAX = 4096
@@ -186,9 +183,9 @@ class BoardHandler:
         self.file: tuple[int, int, int] | None = None  # (fd, offset, count) to send after wfile
 
     @property
-    def connection(self) -> _Connection:
+    def connection(self) -> Connection:
         """The client's connection (`shutdown()` cuts it), as far as a subclass needs one."""
-        return _Connection(self.server, self.client_address)
+        return Connection(self.server, self.client_address)
 
     def run(self) -> None:
         """Decide the answer (in a pool thread): a failure is a 500, never a hung client."""
@@ -322,96 +319,6 @@ class BoardHandler:
             self.end_headers()
             if body and length > 0:
                 self.send_file(f, start, length)
-
-
-class _Connection:
-    """What `BoardHandler.connection` gives: enough to cut the client's connection."""
-
-    def __init__(self, server: BoardServer, client: Any):
-        self.server, self.client = server, client
-
-    def __hash__(self) -> int:
-        return hash(self.client)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Connection) and other.client == self.client
-
-    def shutdown(self, how: int = 2) -> None:
-        p = self.server._by_client.get(self.client)
-        if p is not None:
-            p.loop.call_soon_threadsafe(p.transport.abort)
-
-    def close(self) -> None:
-        self.shutdown()
-
-
-class BoardApp:
-    """The ASGI app: a `handler` decides each answer in a thread pool, then it is sent here,
-    the body read from its file in `SEND_CHUNK`s, each send given `send_timeout` seconds."""
-
-    def __init__(self, handler: type[BoardHandler] = BoardHandler, *,
-                 send_timeout: float = SEND_TIMEOUT, threads: int = THREADS):
-        self.handler, self.send_timeout = handler, send_timeout
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="board-serve")
-        self.server: BoardServer | None = None  # set by serve()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False)
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        assert self.server is not None
-        loop = asyncio.get_running_loop()
-        h = self.handler(self.server, scope)
-        try:
-            await loop.run_in_executor(self.pool, h.run)
-            await self._answer(h, send, loop, scope.get("client"))
-        finally:
-            h._drop_file()
-
-    async def _answer(self, h: BoardHandler, send: Any, loop: asyncio.AbstractEventLoop,
-                      client: Any) -> None:
-        # names as the handler wrote them (h11 keeps their case on the wire)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.response_headers]
-        if h.close_connection and not any(k.lower() == b"connection" for k, _ in headers):
-            headers.append((b"Connection", b"close"))
-        declared = next((v for k, v in headers if k.lower() == b"content-length"), b"")
-        await self._send(send, {"type": "http.response.start", "status": h.code or 500,
-                                "headers": headers}, client)
-        sent = 0
-        if h.command != "HEAD":
-            data = h.wfile.getvalue()
-            if data:
-                await self._send(send, {"type": "http.response.body", "body": data,
-                                        "more_body": True}, client)
-                sent += len(data)
-            if h.file is not None:
-                fd, offset, left = h.file
-                while left > 0 and not self.server.gone(client):
-                    data = await loop.run_in_executor(self.pool, os.pread, fd,
-                                                      min(SEND_CHUNK, left), offset)
-                    if not data:
-                        break
-                    await self._send(send, {"type": "http.response.body", "body": data,
-                                            "more_body": True}, client)
-                    offset, left, sent = offset + len(data), left - len(data), sent + len(data)
-            if declared.isdigit() and sent < int(declared) and h.code not in (204, 304):
-                # a body cut short (a file that shrank, an injected fault): the connection is
-                # closed so the client sees a short read, never a padded one
-                raise Aborted(f"{h.path}: sent {sent} of {int(declared)} bytes")
-        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False},
-                         client)
-
-    async def _send(self, send: Any, message: dict, client: Any) -> None:
-        try:
-            async with asyncio.timeout(self.send_timeout):
-                await send(message)
-        except TimeoutError:
-            # reset, not closed: a close would first wait for the stalled reader to take
-            # what is buffered
-            self.server.abort(client)
-            raise Aborted(f"a reader took nothing for {self.send_timeout} s") from None
 
 
 def serve(root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *,

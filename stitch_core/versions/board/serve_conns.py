@@ -1,5 +1,6 @@
-"""Connections of `stitch board serve`: uvicorn's HTTP/1.1 protocol with a request-head deadline
-and connection caps, and `BoardServer`, the bound server the CLI, tests and benchmarks drive.
+"""Connections and sends of `stitch board serve`: uvicorn's HTTP/1.1 protocol with a request-head
+deadline and connection caps, `BoardServer` (the bound server the CLI, tests and benchmarks
+drive) and `BoardApp` (the ASGI app sending what a `serve.BoardHandler` decided).
 
 Why some of this is hand-written: uvicorn (0.54, h11) has no request-head timeout. Nothing is
 armed when a connection opens, its keep-alive timer starts only after a response, and any byte
@@ -26,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -42,6 +45,9 @@ MAX_CONNS = 1024  # connections open at once (all clients)
 MAX_CONNS_PER_CLIENT = 256
 HEAD_TIMEOUT = 10.0  # seconds a request head (or the next one, on keep-alive) may take
 GRACEFUL = 5.0  # seconds `shutdown()` lets answers in flight finish
+SEND_CHUNK = 256 << 10  # a body is read and sent this much at a time
+SEND_TIMEOUT = 60.0  # seconds one chunk may wait for a reader that takes nothing
+THREADS = 32  # answers decided at once (stat, open, ETag: disk work, off the event loop)
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
             b"Content-Length: 24\r\nCache-Control: no-store\r\nRetry-After: 1\r\n"
             b"Connection: close\r\n\r\n503 Service Unavailable\n")
@@ -244,6 +250,97 @@ class BoardServer:
             del self._by_client[p.client]
         self._waiting.pop(p, None)
         self.active = len(self._conns)
+
+
+class Connection:
+    """What `BoardHandler.connection` gives: enough to cut the client's connection."""
+
+    def __init__(self, server: BoardServer, client: Any):
+        self.server, self.client = server, client
+
+    def __hash__(self) -> int:
+        return hash(self.client)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Connection) and other.client == self.client
+
+    def shutdown(self, how: int = 2) -> None:
+        p = self.server._by_client.get(self.client)
+        if p is not None:
+            p.loop.call_soon_threadsafe(p.transport.abort)
+
+    def close(self) -> None:
+        self.shutdown()
+
+
+class BoardApp:
+    """The ASGI app: a `handler` decides each answer in a thread pool, then it is sent here,
+    the body read from its file in `SEND_CHUNK`s, each send given `send_timeout` seconds."""
+
+    def __init__(self, handler: Any, *, send_timeout: float = SEND_TIMEOUT,
+                 threads: int = THREADS):
+        self.handler, self.send_timeout = handler, send_timeout
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="board-serve")
+        self.server: BoardServer | None = None  # set by serve()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        assert self.server is not None
+        loop = asyncio.get_running_loop()
+        h = self.handler(self.server, scope)
+        try:
+            await loop.run_in_executor(self.pool, h.run)
+            await self._answer(h, send, loop, scope.get("client"))
+        finally:
+            h._drop_file()
+
+    async def _answer(self, h: Any, send: Any, loop: asyncio.AbstractEventLoop,
+                      client: Any) -> None:
+        # names as the handler wrote them (h11 keeps their case on the wire)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.response_headers]
+        if h.close_connection and not any(k.lower() == b"connection" for k, _ in headers):
+            headers.append((b"Connection", b"close"))
+        declared = next((v for k, v in headers if k.lower() == b"content-length"), b"")
+        await self._send(send, {"type": "http.response.start", "status": h.code or 500,
+                                "headers": headers}, client)
+        sent = 0
+        if h.command != "HEAD":
+            data = h.wfile.getvalue()
+            if data:
+                await self._send(send, {"type": "http.response.body", "body": data,
+                                        "more_body": True}, client)
+                sent += len(data)
+            if h.file is not None:
+                fd, offset, left = h.file
+                while left > 0 and not self.server.gone(client):
+                    data = await loop.run_in_executor(self.pool, os.pread, fd,
+                                                      min(SEND_CHUNK, left), offset)
+                    if not data:
+                        break
+                    await self._send(send, {"type": "http.response.body", "body": data,
+                                            "more_body": True}, client)
+                    offset, left, sent = offset + len(data), left - len(data), sent + len(data)
+            if declared.isdigit() and sent < int(declared) and h.code not in (204, 304):
+                # a body cut short (a file that shrank, an injected fault): the connection is
+                # closed so the client sees a short read, never a padded one
+                raise Aborted(f"{h.path}: sent {sent} of {int(declared)} bytes")
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False},
+                         client)
+
+    async def _send(self, send: Any, message: dict, client: Any) -> None:
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await send(message)
+        except TimeoutError:
+            # reset, not closed: a close would first wait for the stalled reader to take
+            # what is buffered
+            self.server.abort(client)
+            raise Aborted(f"a reader took nothing for {self.send_timeout} s") from None
+
 
 
 def _fd_room(want: int) -> int:

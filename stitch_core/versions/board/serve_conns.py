@@ -293,12 +293,24 @@ class BoardApp:
         loop = asyncio.get_running_loop()
         h = self.handler(self.server, scope)
         try:
-            await loop.run_in_executor(self.pool, h.run)
-            await self._answer(h, send, loop, scope.get("client"))
+            first = await loop.run_in_executor(self.pool, self._decide, h)
+            await self._answer(h, first, send, loop, scope.get("client"))
         finally:
             h._drop_file()
 
-    async def _answer(self, h: Any, send: Any, loop: asyncio.AbstractEventLoop,
+    @staticmethod
+    def _decide(h: Any) -> bytes:
+        """In a pool thread: the handler's answer and the first chunk of its body (one thread
+        hop for an object up to `SEND_CHUNK`)."""
+        h.run()
+        if h.file is None or h.command == "HEAD":
+            return b""
+        fd, offset, left = h.file
+        data = os.pread(fd, min(SEND_CHUNK, left), offset)
+        h.file = (fd, offset + len(data), left - len(data))
+        return data
+
+    async def _answer(self, h: Any, first: bytes, send: Any, loop: asyncio.AbstractEventLoop,
                       client: Any) -> None:
         # names as the handler wrote them (h11 keeps their case on the wire)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in h.response_headers]
@@ -309,21 +321,16 @@ class BoardApp:
                                 "headers": headers}, client)
         sent = 0
         if h.command != "HEAD":
-            data = h.wfile.getvalue()
-            if data:
+            data = h.wfile.getvalue() + first
+            while data:
                 await self._send(send, {"type": "http.response.body", "body": data,
                                         "more_body": True}, client)
-                sent += len(data)
-            if h.file is not None:
-                fd, offset, left = h.file
-                while left > 0 and not self.server.gone(client):
+                sent, data = sent + len(data), b""
+                if h.file is not None and h.file[2] > 0 and not self.server.gone(client):
+                    fd, offset, left = h.file
                     data = await loop.run_in_executor(self.pool, os.pread, fd,
                                                       min(SEND_CHUNK, left), offset)
-                    if not data:
-                        break
-                    await self._send(send, {"type": "http.response.body", "body": data,
-                                            "more_body": True}, client)
-                    offset, left, sent = offset + len(data), left - len(data), sent + len(data)
+                    h.file = (fd, offset + len(data), left - len(data))
             if declared.isdigit() and sent < int(declared) and h.code not in (204, 304):
                 # a body cut short (a file that shrank, an injected fault): the connection is
                 # closed so the client sees a short read, never a padded one

@@ -10,12 +10,19 @@ import os
 
 def cmd_gateway(a: argparse.Namespace) -> int:
     """`stitch gateway`: serve until interrupted; returns the exit status."""
-    from stitch_core.serve.gateway import Gateway, serve
+    from stitch_core.serve.admission import UrlAllowList
+    from stitch_core.serve.gateway import API_KEY_ENV, Gateway, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     url = a.url or f"http://{a.host}:{a.port}"
+    try:
+        allow = UrlAllowList.parse(a.engine_url_allow or [])
+    except ValueError as e:
+        raise SystemExit(f"stitch gateway: --engine-url-allow: {e}") from e
     gw = Gateway(a.run, a.nats, region=a.region, ttl=a.ttl, gateway_id=a.id, url=url,
-                 max_wait=a.max_wait)
+                 max_wait=a.max_wait, upstream_timeout=a.upstream_timeout,
+                 engine_url_allow=allow, max_engines=a.max_engines,
+                 api_key=a.api_key or os.environ.get(API_KEY_ENV) or None)
     serve(gw, a.host, a.port)
     return 0
 
@@ -36,4 +43,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="cap on X-Stitch-Wait (seconds)")
     g.add_argument("--id", help="gateway id in heartbeats (default gw-<host>-<pid>)")
     g.add_argument("--url", help="URL advertised in its heartbeat (default http://HOST:PORT)")
+    # the defaults are serve.gateway.DEFAULT_UPSTREAM_TIMEOUT and serve.routing.
+    # DEFAULT_MAX_ENGINES, written out so that building the parser imports no server code
+    g.add_argument("--upstream-timeout", type=float, default=300.0,
+                   help="seconds an engine has to send its response head (a non-streamed "
+                        "completion sends it only when done) before the request goes to the "
+                        "next engine or gets a 504; 0: no limit (default %(default)g)")
+    g.add_argument("--engine-url-allow", action="append", metavar="PATTERNS",
+                   help="hosts engine URLs may name: a host or address, '*.domain' or a CIDR "
+                        "such as 10.0.0.0/8; repeatable or comma-separated (default: any)")
+    g.add_argument("--max-engines", type=int, default=1024,
+                   help="engines kept in the table; the least recently heard is evicted "
+                        "(default %(default)d)")
+    g.add_argument("--api-key", help="Bearer key for /stitch/gateway and /metrics (default "
+                                     "$STITCH_GATEWAY_API_KEY; none: open)")
     g.set_defaults(fn=cmd_gateway)

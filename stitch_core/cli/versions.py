@@ -163,32 +163,36 @@ def _at_least_one(s: str) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     """`stitch status`: the fleet table from engine heartbeats (and the gateways'); returns the
-    exit status."""
-    from stitch_core.versions.announce import connect, fleet, gateways
+    exit status. Only heartbeats published on their own engine's subject are shown
+    (`announce.speaks_for`), and "last seen" is when the NATS server stored each one, not the
+    time its sender claims."""
+    from stitch_core.versions.announce import connect, fleet_stored, gateways
 
     async def go():  # connect(): $STITCH_NATS_CREDS and $STITCH_NATS_TLS_* apply
         nc = await connect(a.nats, name="stitch-status")
         try:
             js = nc.jetstream()
-            hbs = await fleet(js, a.run)
+            stored = await fleet_stored(js, a.run)
             try:  # a user without rights on the gateway stream still sees the engines
                 gws = await gateways(js, a.run)
             except Exception as e:  # noqa: BLE001
                 print(f"stitch status: cannot read the gateways of {a.run}: {e}", file=sys.stderr)
                 gws = []
-            return hbs, gws
+            return stored, gws
         finally:
             await nc.close()
 
-    hbs, gws = asyncio.run(go())
+    stored, gws = asyncio.run(go())
     now = time.time()
+    hbs = [s.hb for s in stored]
+    seen = {s.hb.id: max(0.0, now - s.stored) for s in stored}
     if a.json:
         print(
             json.dumps(
                 {
                     "run": a.run,
                     "engines": [
-                        {**h.model_dump(), "last_seen_seconds": round(now - h.time, 3)} for h in hbs
+                        {**h.model_dump(), "last_seen_seconds": round(seen[h.id], 3)} for h in hbs
                     ],
                     "gateways": [
                         {**g.model_dump(), "last_seen_seconds": round(now - g.time, 3)} for g in gws
@@ -203,7 +207,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(
             f"{h.id:<28} {h.version if h.version is not None else '-':>7} "
             f"{h.lag if h.lag is not None else '-':>4} {h.state:<12} {h.health:<9} "
-            f"{now - h.time:>9.1f}s  "
+            f"{seen[h.id]:>9.1f}s  "
             f"{h.url or ''}"
         )
     if not hbs:

@@ -2,7 +2,11 @@
 request now, and in what order to try them. No I/O (stitch_core.serve.gateway feeds it).
 
 An engine is *routable* while its last heartbeat is younger than `ttl` seconds, names a URL,
-holds a version (state not ``not_ready``) and its follower is not ``dead``. Among the routable
+holds a version (state not ``not_ready``) and its follower is not ``dead``. Heartbeats come in
+already admitted (stitch_core.serve.admission): one entry per heartbeat subject, ordered by
+arrival (a live one replaces the entry; one read back from the stream at start-up only if it is
+newer by stream sequence than what is there), never by the time the sender claims. The table
+holds at most `max_engines` entries (the least recently heard one is evicted). Among the routable
 engines that can serve a request's version headers (`protocol.satisfies`), the order is: same
 region first (when the gateway has one), then least loaded (requests the gateway has in flight
 there plus the other requests the engine's last heartbeat counted), then the newest version,
@@ -13,15 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
+import httpx
 from pydantic import BaseModel
 
 from stitch_core.serve import protocol
+from stitch_core.serve.admission import Admitted
 from stitch_core.versions.manifest import Heartbeat
 
+log = logging.getLogger("stitch.gateway")
+
 DEFAULT_TTL = 10.0  # seconds without a heartbeat before an engine is dropped (5 of its beats)
+DEFAULT_MAX_ENGINES = 1024  # table entries (heartbeat subjects) at most
 
 
 class EngineRow(BaseModel):
@@ -59,6 +70,11 @@ class GatewayStatus(BaseModel):
     retries_total: int
     waited_total: int
     refused_total: int  # the gateway's own 409 / 503 answers
+    timeouts_total: int = 0  # engines that sent no response head within --upstream-timeout
+    heartbeats_rejected_total: int = 0  # heartbeats refused at admission
+    engines_evicted_total: int = 0  # table entries evicted to stay within max_engines
+    max_engines: int = DEFAULT_MAX_ENGINES
+    api_key_required: bool = False  # /stitch/gateway and /metrics want a Bearer key
 
 
 @dataclass(eq=False)
@@ -66,7 +82,11 @@ class Engine:
     """An engine of the table: its last heartbeat and this gateway's counters for it."""
 
     hb: Heartbeat
+    key: str  # the last token of the heartbeat subject it speaks for
+    base: httpx.URL | None  # its admitted URL
     seen: float  # time.monotonic() of the last heartbeat
+    beat: int = 0  # the table's count of heartbeats when its last one arrived (orders them)
+    seq: int | None = None  # stream sequence of its last heartbeat; None: it came live
     in_flight: int = 0
     others: int = 0  # heartbeat load less what this gateway had in flight there then
     requests: int = 0
@@ -89,39 +109,55 @@ class EngineTable:
     run: str
     region: str | None = None
     ttl: float = DEFAULT_TTL
-    engines: dict[str, Engine] = field(default_factory=dict)
+    max_engines: int = DEFAULT_MAX_ENGINES
+    engines: dict[str, Engine] = field(default_factory=dict)  # by subject token
+    evicted: int = 0
 
     def __post_init__(self) -> None:
         self._changed = asyncio.Event()
+        self._beats = itertools.count(1)
 
-    def observe(self, hb: Heartbeat, age: float = 0.0) -> None:
-        """A heartbeat (`age` seconds old when received: the stream's last ones at start-up)."""
-        if hb.run != self.run:
+    def observe(self, a: Admitted, age: float = 0.0, seq: int | None = None) -> None:
+        """An admitted heartbeat: live (`seq` None), or read back from the stream at start-up
+        (`seq`: its stream sequence; `age`: seconds since the server stored it), which counts
+        only if nothing newer of that subject is known."""
+        if a.hb.run != self.run:
             return
-        e = self.engines.get(hb.id)
-        if e is not None and hb.time < e.hb.time:
-            return  # out of order
+        e = self.engines.get(a.key)
+        if seq is not None and e is not None and (e.seq is None or e.seq >= seq):
+            return  # already heard live, or a newer stored one
         seen = time.monotonic() - max(0.0, age)
         if e is None:
-            e = self.engines[hb.id] = Engine(hb, seen)
-        e.hb, e.seen = hb, seen
-        e.others = max(0, (hb.load or 0) - e.in_flight)
+            while len(self.engines) >= max(1, self.max_engines):
+                self._evict()
+            e = self.engines[a.key] = Engine(a.hb, a.key, a.base, seen)
+        e.hb, e.base, e.seen, e.seq, e.beat = a.hb, a.base, seen, seq, next(self._beats)
+        e.others = max(0, (a.hb.load or 0) - e.in_flight)
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _evict(self) -> None:
+        old = min(self.engines.values(), key=lambda e: e.seen)
+        del self.engines[old.key]
+        self.evicted += 1
+        if self.evicted & (self.evicted - 1) == 0 or self.evicted % 1000 == 0:
+            log.warning("gateway: %d engines in the table (--max-engines): evicted %s (%s), "
+                        "the least recently heard (%d evicted so far)", self.max_engines,
+                        old.id, old.key, self.evicted)
 
     def fresh(self, e: Engine, now: float | None = None) -> bool:
         return (now if now is not None else time.monotonic()) - e.seen <= self.ttl
 
     def routable(self, e: Engine, now: float | None = None) -> bool:
         hb = e.hb
-        return (self.fresh(e, now) and hb.url is not None and hb.version is not None
+        return (self.fresh(e, now) and e.base is not None and hb.version is not None
                 and hb.state != "not_ready" and hb.health != "dead")
 
     def prune(self) -> None:
-        """Forget engines silent for more than 10 TTLs (shown as not routable until then)."""
+        """Forget engines silent for more than 10 TTLs (shown as not routable until then),
+        requests in flight there or not (those finish on the entry they hold)."""
         now = time.monotonic()
-        for k in [k for k, e in self.engines.items() if now - e.seen > 10 * self.ttl
-                  and not e.in_flight]:
+        for k in [k for k, e in self.engines.items() if now - e.seen > 10 * self.ttl]:
             del self.engines[k]
 
     def live(self) -> list[Engine]:
@@ -129,18 +165,19 @@ class EngineTable:
         return [e for e in self.engines.values() if self.routable(e, now)]
 
     def candidates(self, req: protocol.VersionRequest,
-                   tried: dict[str, float] | None = None) -> list[Engine]:
-        """Routable engines that can serve `req` now, best first. `tried`: engine id -> the
-        heartbeat time it refused at; such an engine counts again once a newer heartbeat came."""
+                   tried: dict[str, int] | None = None) -> list[Engine]:
+        """Routable engines that can serve `req` now, best first. `tried`: engine key -> its
+        `beat` when it refused or failed; such an engine counts again once a newer heartbeat
+        came."""
         tried = tried or {}
         ok = [e for e in self.live() if protocol.satisfies(e.hb.version, req.exact, req.minimum)
-              and e.hb.time > tried.get(e.id, float("-inf"))]
+              and e.beat > tried.get(e.key, -1)]
         return sorted(ok, key=lambda e: (
             self.region is not None and e.hb.region != self.region, e.load,
             -(e.hb.version or 0), e.id))
 
     async def wait_candidates(self, req: protocol.VersionRequest, deadline: float,
-                              tried: dict[str, float] | None = None) -> list[Engine]:
+                              tried: dict[str, int] | None = None) -> list[Engine]:
         """`candidates`, waiting (until the monotonic `deadline`) for heartbeats that give some."""
         while True:
             changed = self._changed
@@ -219,6 +256,15 @@ def metrics_text(st: GatewayStatus) -> str:
     metric("stitch_gateway_refused_total", "counter",
            "Requests the gateway itself answered 409 / 503 (no engine could serve them)",
            [(run, st.refused_total)])
+    metric("stitch_gateway_timeouts_total", "counter",
+           "Engines that sent no response head within the upstream timeout",
+           [(run, st.timeouts_total)])
+    metric("stitch_gateway_heartbeats_rejected_total", "counter",
+           "Engine heartbeats refused at admission (wrong subject, URL, clock, malformed)",
+           [(run, st.heartbeats_rejected_total)])
+    metric("stitch_gateway_engines_evicted_total", "counter",
+           "Engines evicted from the table to stay within --max-engines",
+           [(run, st.engines_evicted_total)])
     per = [(r, f'{run},engine="{_label(r.id)}"') for r in st.engines]
     metric("stitch_gateway_engine_up", "gauge", "1 while the engine is routable, else 0",
            [(lb, 1 if r.routable else 0) for r, lb in per])

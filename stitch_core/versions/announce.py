@@ -36,8 +36,9 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import nats
 import nats.errors
@@ -60,6 +61,7 @@ log = logging.getLogger("stitch.announce")
 VERSIONS_MAX_AGE = 7 * 24 * 3600.0  # seconds
 VERSIONS_MAX_MSGS = 100_000
 ENGINES_MAX_AGE = 3600.0
+MAX_HEARTBEAT_BYTES = 64 << 10  # a heartbeat is a few hundred bytes; readers refuse more
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _STREAM_IN_USE = 10058  # JSStreamNameExistErr: same name, other config
 
@@ -500,10 +502,39 @@ async def publish_heartbeat(js_or_nc: JS, hb: Heartbeat) -> None:
             await js_or_nc.publish(subject, data, stream=engines_stream(hb.run))
 
 
+def speaks_for(run: str, subject: str, engine_id: str, kind: str = "engines") -> bool:
+    """Whether a heartbeat claiming `engine_id` may have arrived on `subject`: only on its own
+    subject (stitch.<run>.<kind>.<engine_token(id)>). NATS permissions bind a publisher to
+    subjects, not to what its messages say, so this is what makes a per-engine publish right
+    mean "can speak only for itself" (docs/nats-security.md)."""
+    return subject == f"stitch.{check_run(run)}.{kind}.{engine_token(engine_id)}"
+
+
+@dataclass(frozen=True)
+class Stored(Generic[_M]):
+    """A heartbeat as the stream keeps it: with the subject it arrived on and what the server
+    assigned (stream sequence, time stored: epoch seconds), which a reader can trust more than
+    the `time` the sender claims."""
+
+    hb: _M
+    subject: str
+    seq: int
+    stored: float
+
+
+async def fleet_stored(js: JS, run: str) -> list[Stored[Heartbeat]]:
+    """The last heartbeat of every engine of `run` seen within the last hour, sorted by id, each
+    with its subject, stream sequence and server time. Heartbeats whose id does not map to the
+    subject they were published on (`speaks_for`) are logged and left out."""
+    return await _last_of_each(_js(js), engines_stream(run), engines_subject(run), Heartbeat,
+                               run, "engines")
+
+
 async def fleet(js: JS, run: str) -> list[Heartbeat]:
     """The last heartbeat of every engine of `run` seen within the last hour, sorted by id.
-    Reads the stream directly (no waiting for the next round of heartbeats)."""
-    return await _last_of_each(_js(js), engines_stream(run), engines_subject(run), Heartbeat)
+    Reads the stream directly (no waiting for the next round of heartbeats); see
+    `fleet_stored`."""
+    return [s.hb for s in await fleet_stored(js, run)]
 
 
 class GatewayHeartbeat(BaseModel):
@@ -542,29 +573,45 @@ async def publish_gateway_heartbeat(js: JS, hb: GatewayHeartbeat) -> None:
 async def gateways(js: JS, run: str) -> list[GatewayHeartbeat]:
     """The last heartbeat of every gateway of `run` seen within the last hour, sorted by id
     ([] when no gateway ever ran: no stream)."""
-    return await _last_of_each(_js(js), gateways_stream(run), gateways_subject(run),
-                               GatewayHeartbeat)
+    return [s.hb for s in await _last_of_each(_js(js), gateways_stream(run),
+                                              gateways_subject(run), GatewayHeartbeat, run,
+                                              "gateways")]
 
 
-async def _last_of_each(js: JetStreamContext, stream: str, subjects: str,
-                        model: type[_M]) -> list[_M]:
-    """The last message of each subject of `stream` matching `subjects`, parsed as `model`
-    (malformed ones logged and skipped), sorted by id."""
+async def _last_of_each(js: JetStreamContext, stream: str, subjects: str, model: type[_M],
+                        run: str, kind: str) -> list[Stored[_M]]:
+    """The last message of each subject of `stream` matching `subjects`, parsed as `model`,
+    sorted by id. Oversized, malformed, other runs' and ids that do not match their subject
+    (`speaks_for`) are logged and skipped; at most 64 reads at a time."""
     try:
         info = await js.stream_info(stream, subjects_filter=subjects)
     except nats.js.errors.NotFoundError:
         return []
+    reads = asyncio.Semaphore(64)
 
-    async def _last(subject: str) -> _M | None:
+    async def _last(subject: str) -> Stored[_M] | None:
         try:
-            msg = await js.get_last_msg(stream, subject)
+            async with reads:
+                msg = await js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError:  # expired meanwhile
             return None
+        subject = msg.subject or subject
+        data = msg.data or b""
+        if len(data) > MAX_HEARTBEAT_BYTES:
+            log.warning("skipping oversized heartbeat on %s: %d bytes", subject, len(data))
+            return None
         try:
-            return model.model_validate_json(msg.data or b"")
+            hb = model.model_validate_json(data)
         except ValueError as e:
             log.warning("skipping malformed heartbeat on %s: %s", subject, str(e).splitlines()[0])
             return None
+        hid, hrun = getattr(hb, "id", ""), getattr(hb, "run", "")
+        if hrun != run or not speaks_for(run, subject, hid, kind):
+            log.warning("skipping heartbeat on %s claiming id %r of run %r: a heartbeat speaks "
+                        "only for its own subject", subject, hid, hrun)
+            return None
+        stored = msg.time.timestamp() if msg.time is not None else time.time()
+        return Stored(hb, subject, msg.seq or 0, stored)
 
     beats = await asyncio.gather(*(_last(s) for s in sorted((info.state.subjects or {}).keys())))
-    return sorted((b for b in beats if b is not None), key=lambda b: b.id)
+    return sorted((b for b in beats if b is not None), key=lambda b: getattr(b.hb, "id", ""))

@@ -100,6 +100,7 @@ class Gateway:
 
     async def start(self) -> None:
         """Open the upstream client, read the fleet's last heartbeats, follow new ones."""
+        self._stopping = False
         self.client = httpx.AsyncClient(timeout=self.timeout, follow_redirects=False,
                                         limits=httpx.Limits(max_connections=None,
                                                             max_keepalive_connections=64))

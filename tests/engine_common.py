@@ -134,17 +134,26 @@ class Trainer:
                 for k, v in self.model.state_dict().items() if k != "lm_head.weight"
                 or not self.model.config.tie_word_embeddings}
 
-    def publish(self) -> int:
-        """Train one step (none for v0), publish, wait until it is on the board."""
+    def train(self) -> None:
+        """One AdamW step on random tokens (`publish(train=False)` then ships it)."""
         with self.lock:
-            if self.step:
-                x = torch.randint(0, self.model.config.vocab_size, (4, 16), generator=self.g)
-                loss = self.model(input_ids=x, labels=x).loss
-                self.opt.zero_grad()
-                loss.backward()
-                self.opt.step()
+            x = torch.randint(0, self.model.config.vocab_size, (4, 16), generator=self.g)
+            loss = self.model(input_ids=x, labels=x).loss
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self._trained = True
+
+    def publish(self, train: bool = True) -> int:
+        """Train one step (none for v0; none when `train()` already ran), publish, wait until
+        it is on the board. A test that needs the publish itself to be quick (an apply landing
+        while a request streams) trains first."""
+        if train and self.step and not getattr(self, "_trained", False):
+            self.train()
+        with self.lock:
             v = self.pub.publish(self.step, self.model).result().version
             self.step += 1
+            self._trained = False
             return v
 
 

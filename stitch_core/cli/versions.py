@@ -11,14 +11,12 @@ from pathlib import Path
 
 from stitch_core.cli.keys import trust_set
 from stitch_core.versions.board import open_board
-from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.materialize import default_cache_dir, pull
 from stitch_core.versions.retention import GcReport, gc
 from stitch_core.versions.store import RefusedVersion, check_signed, list_manifests
 
-# `pull` and `list_manifests` are library code in stitch_core.versions (still importable from here
-# for one release); PULLED_MANIFEST is owned by stitch_core.versions.manifest
-__all__ = ["PULLED_MANIFEST", "add_parsers", "list_manifests", "pull"]
+__all__ = ["add_parsers"]
 
 
 

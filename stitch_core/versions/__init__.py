@@ -7,23 +7,5 @@ reading and planning versions (`store`), materialising a version as files and `p
 stack (`natsserver`), the follower loop (`follower`), the bounded node-local cache (`cache`) and
 board retention (`retention`: `stitch gc`). Uses the format layer only.
 
-The names of `store` are re-exported here: `stitch_core.versions` was that module before the
-layered tree, and `from stitch_core.versions import read_manifest` keeps working.
+Nothing is re-exported here: each name is imported from the module that owns it.
 """
-
-from stitch_core.versions.store import (
-    Step,
-    VersionError,
-    fetch_object,
-    fetch_patch,
-    list_manifests,
-    now,
-    object_ref,
-    plan,
-    read_manifest,
-    sha256_file,
-    write_version,
-)
-
-__all__ = ["Step", "VersionError", "fetch_object", "fetch_patch", "list_manifests", "now",
-           "object_ref", "plan", "read_manifest", "sha256_file", "write_version"]

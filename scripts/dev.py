@@ -78,6 +78,16 @@ VENV_GB = {"vllm": 4, "sglang": 7, "sglang-gpu": 11}
 _OUT = threading.local()
 
 
+def say(text: str) -> None:
+    """A line of progress: on stdout, or in the background build's log when in one."""
+    log = getattr(_OUT, "log", None)
+    if log is None:
+        print(text, flush=True)
+    else:
+        log.write(text + "\n")
+        log.flush()
+
+
 def run(*cmd: str | os.PathLike, **kw) -> None:
     log = getattr(_OUT, "log", None)
     line = "+ " + " ".join(str(c) for c in cmd)
@@ -285,8 +295,8 @@ def _build_sglang(py: Path) -> None:
         run(py, "-m", "pip", "install", "-q", f"stitch-rl[sglang] @ {wheel().as_uri()}",
             SGLANG_SPEC, SGLANG_TORCH_SPEC)
     else:  # sglang itself without deps, then its requirements minus the GPU-only ones
-        print(f"no GPU here: leaving out {', '.join(SGLANG_GPU_ONLY)} (pip will say sglang "
-              "requires them)", flush=True)
+        say(f"no GPU here: leaving out {', '.join(SGLANG_GPU_ONLY)} (pip will say sglang "
+            "requires them)")
         run(py, "-m", "pip", "install", "-q", SGLANG_TORCH_SPEC)
         run(py, "-m", "pip", "install", "-q", "--no-deps", SGLANG_SPEC)
         name = re.split(r"[\s\[<>=!~;]", SGLANG_SPEC, maxsplit=1)[0]

@@ -17,13 +17,9 @@ import torch
 
 from stitch_core.format import dtypes
 from stitch_core.format.patch import PatchBuilder, apply
-from stitch_trainer.megatron import (
-    MegatronLayout,
-    add_part,
-    assemble_hf,
-    shard_parts,
-    split_hf,
-)
+from stitch_trainer.megatron.convert import assemble_hf, split_hf
+from stitch_trainer.megatron.layout import MegatronLayout
+from stitch_trainer.megatron.shards import add_part, shard_parts
 
 CONFIG = dict(model_type="qwen2", vocab_size=203, hidden_size=32, intermediate_size=48,
               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,

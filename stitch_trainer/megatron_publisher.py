@@ -4,7 +4,7 @@ The loop of `stitch_trainer.fsdp.FSDPPublisher` (per-rank part files, one all-re
 fingerprints, one all-gather of part metadata, rank 0 writes the manifest, moves `latest` and
 announces) with another answer to "which elements does this rank publish": a rank's local
 parameters (Megatron names) are mapped to the served Hugging Face tensors with
-`stitch_trainer.megatron.shard_parts` (contiguous slices, or scattered positions for
+`stitch_trainer.megatron.shards.shard_parts` (contiguous slices, or scattered positions for
 row-parallel tensors with tp > 1) and added to its part with `add_part`.
 
     layout = MegatronLayout.from_hf_config(hf_config, tp=tp, pp=pp)
@@ -35,7 +35,9 @@ from stitch_core.format.views import project
 from stitch_core.versions.board import Board
 
 from .fsdp import FSDPPublisher
-from .megatron import MegatronLayout, add_part, hf_names_of, local_from_hf, shard_parts
+from .megatron.convert import hf_names_of, local_from_hf
+from .megatron.layout import MegatronLayout
+from .megatron.shards import add_part, shard_parts
 
 
 class MegatronPublisher(FSDPPublisher):

@@ -67,6 +67,13 @@ PUBLIC = {
     "stitch_trainer.fsdp": ["FSDPPublisher"],
     "stitch_trainer.cli": ["add_publish"],
     "stitch_trainer.base": ["PublisherBase", "SIDE_FILES", "Row"],
+    "stitch_trainer.megatron.tables": ["Rule", "rule", "register_arch", "ARCHS", "MODEL_TYPES",
+                                       "LLAMA", "QWEN2", "QWEN3", "KINDS", "LAYER"],
+    "stitch_trainer.megatron.placement": ["Placement"],
+    "stitch_trainer.megatron.layout": ["MegatronLayout", "IGNORED_SUFFIXES"],
+    "stitch_trainer.megatron.shards": ["ShardPart", "shard_parts", "add_part", "merge_scattered"],
+    "stitch_trainer.megatron.convert": ["assemble_hf", "split_hf", "local_from_hf", "hf_names_of"],
+    "stitch_trainer.megatron_publisher": ["MegatronPublisher"],
 }
 
 

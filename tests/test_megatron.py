@@ -12,18 +12,10 @@ import transformers
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import PatchBuilder, apply
-from stitch_trainer.megatron import (
-    ARCHS,
-    LLAMA,
-    MegatronLayout,
-    add_part,
-    assemble_hf,
-    merge_scattered,
-    register_arch,
-    rule,
-    shard_parts,
-    split_hf,
-)
+from stitch_trainer.megatron.convert import assemble_hf, split_hf
+from stitch_trainer.megatron.layout import MegatronLayout
+from stitch_trainer.megatron.shards import add_part, merge_scattered, shard_parts
+from stitch_trainer.megatron.tables import ARCHS, LLAMA, register_arch, rule
 
 # tiny GQA models: 8 query heads over 4 KV groups (2 per TP rank), vocab 203 (padded to 256)
 SMALL = dict(vocab_size=203, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

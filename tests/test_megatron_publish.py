@@ -37,7 +37,7 @@ def layout():
 
 
 def initial_shards() -> dict:
-    from stitch_trainer.megatron import split_hf
+    from stitch_trainer.megatron.convert import split_hf
 
     _, hf = hf_model("qwen2")
     return split_hf(hf, layout(), pad_value=0.5)  # padding rows are never published
@@ -128,7 +128,7 @@ def published(tmp_path_factory):
 
 def expected(step: int) -> dict:
     from stitch_core.format.views import project
-    from stitch_trainer.megatron import assemble_hf
+    from stitch_trainer.megatron.convert import assemble_hf
 
     if step == 0:
         return project(hf_model("qwen2")[1], "bf16")

@@ -48,8 +48,9 @@ PYTHONPATH of every SGLang process when torch sees no CUDA device, or with ``--s
 
 from __future__ import annotations
 
-# Only the standard library at module level: the --engine-job child must create its engine before
-# anything imports numba (stitch_core's codec / fingerprint).
+# Only the standard library and stitch_dev's process helpers (httpx, nothing of stitch_core) at
+# module level: the --engine-job child must create its engine before anything imports numba
+# (stitch_core's codec / fingerprint).
 import argparse
 import asyncio
 import json
@@ -58,7 +59,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,8 +69,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # stitch_dev (the tiny model builder) lives in the checkout
+if str(ROOT) not in sys.path:  # stitch_dev (the development harness) lives in the checkout
     sys.path.append(str(ROOT))
+
+from stitch_dev.ports import free_port  # noqa: E402
+from stitch_dev.procs import SGL_KERNEL_STUB, sglang_cmd, sglang_env, stitch_env, vllm_cmd  # noqa: E402
+from stitch_dev.server import ServerProcess  # noqa: E402
+
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
 
 # name -> build_tiny_model overrides (qwen2; head_dim 32/64 for vLLM's CPU attention)
@@ -86,7 +91,7 @@ SIZES = {
     "q05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
              "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 256},
 }
-# sglang.Engine / launch_server settings for SGLang's CPU engine (as tests/sglang/smoke.py)
+# sglang.Engine / launch_server settings for SGLang's CPU engine (as stitch_dev.procs.sglang_cmd)
 SGLANG_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
                  "disable_overlap_schedule": True, "max_total_tokens": 8192, "random_seed": 0}
 
@@ -95,33 +100,22 @@ def _engine_env(**stitch: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    for k, v in stitch.items():
-        env[f"STITCH_{k.upper()}"] = str(v)
+    env.update(stitch_env(**stitch))
     return env
 
 
-def _smoke():
-    """tests/sglang/smoke.py: SGLang's CPU server environment, command line and stop."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.sglang import smoke
-
-    return smoke
-
-
 def _sglang_env(stub: bool, **stitch: str) -> dict[str, str]:
-    """An SGLang process's environment (smoke.server_env: SGLANG_USE_CPU_ENGINE=1, the stand-in
-    sgl_kernel first on PYTHONPATH), without the stand-in unless `stub`."""
-    smoke = _smoke()
-    env = smoke.server_env(1)
+    """An SGLang process's environment (stitch_dev.procs.sglang_env: SGLANG_USE_CPU_ENGINE=1, the
+    stand-in sgl_kernel first on PYTHONPATH), without the stand-in unless `stub`."""
+    env = sglang_env(1)
     if not stub:
-        paths = [p for p in env["PYTHONPATH"].split(os.pathsep) if p and p != str(smoke.STUB)]
+        paths = [p for p in env["PYTHONPATH"].split(os.pathsep)
+                 if p and p != str(SGL_KERNEL_STUB)]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         if not paths:
             del env["PYTHONPATH"]
     env["TOKENIZERS_PARALLELISM"] = "false"
-    for k, v in stitch.items():
-        env[f"STITCH_{k.upper()}"] = str(v)
+    env.update(stitch_env(**stitch))
     return env
 
 
@@ -392,8 +386,9 @@ def engine_job(job_path: str) -> None:
 # =========================================================================== driver: trainer
 
 
-class Trainer:
-    """A real HF model trained by transformers with AdamW on random tokens, publishing."""
+class SweepTrainer:
+    """A real HF model trained by transformers with AdamW (weight decay, a learning rate the
+    sweep sets per run) on random tokens, publishing when asked."""
 
     def __init__(self, model_dir: Path, board: Path, run: str, lr: float, nats: str | None,
                  seed: int = 0):
@@ -439,7 +434,7 @@ def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: i
     t0 = time.perf_counter()
     for i, lr in enumerate(lrs):
         run = f"{size}-lr{lr:.0e}".replace("+", "").replace(".", "p")
-        tr = Trainer(model_dir, board, run, lr, None)
+        tr = SweepTrainer(model_dir, board, run, lr, None)
         tr.publish().result()
         n = versions + (i == 0)  # the first apply in the engine process is cold (numba JIT)
         for _ in range(n):
@@ -481,113 +476,59 @@ def run_engine_job(job: dict, log: Path, timeout: float, env: dict[str, str]) ->
 # =========================================================================== B: server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
-    middleware, as in tests/vllm/engines.py (TP=1, CPU)."""
+    middleware (stitch_dev.procs.vllm_cmd, as tests/vllm/engines.py; TP=1, CPU), run from this
+    process's directory."""
 
     name = "vLLM server"
 
     def __init__(self, model_dir: Path, log: Path, *, stub: bool = False, **stitch: str):
-        import httpx
+        port = free_port()
+        super().__init__(self.command(model_dir, port), self.environment(stub, **stitch), port,
+                         str(model_dir), log, cwd=None, timeout=30)
 
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(self.command(model_dir), env=self.environment(stub, **stitch),
-                                     stdout=self._logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-
-    def command(self, model_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                str(model_dir), "--dtype", "bfloat16", "--max-model-len", "256",
-                "--enforce-eager", "--max-num-seqs", "4", "--port", str(self.port), "--seed", "0",
-                "--generation-config", "vllm", "--worker-extension-cls", EXT,
-                "--middleware", "stitch_vllm.server.StitchMiddleware"]
+    def command(self, model_dir: Path, port: int) -> list[str]:
+        return vllm_cmd(sys.executable, str(model_dir), port)
 
     def environment(self, stub: bool, **stitch: str) -> dict[str, str]:
         env = _engine_env(**stitch)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         return env
 
-    def status(self) -> dict | None:
+    def status(self) -> dict | None:  # type: ignore[override]
+        """/stitch/status, or None while it does not answer."""
         import httpx
 
         try:
-            r = self.http.get("/stitch/status", timeout=5)
-            return r.json()
+            return self.http.get("/stitch/status", timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return None
-
-    def wait_version(self, v: int, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); log {self.log}")
-            st = self.status()
-            if st and st.get("version") == v and st.get("state") == "serving":
-                return st
-            time.sleep(0.2)
-        raise SystemExit(f"server not at v{v} after {timeout:.0f} s; log {self.log}")
 
     def wait_ready(self, timeout: float) -> None:
         """Serving the loaded version (v0)."""
         self.wait_version(0, timeout)
 
-    def _terminate(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            self._terminate()
-        self._logf.close()
-
 
 class SglangServer(Server):
-    """`python -m sglang.launch_server` (CPU flags of tests/sglang/smoke.py) made a follower by
-    the installed plugin and STITCH_* variables, as in tests/sglang/test_server.py (TP=1)."""
+    """`python -m sglang.launch_server` (CPU flags of stitch_dev.procs.sglang_cmd) made a
+    follower by the installed plugin and STITCH_* variables, as in tests/sglang/test_server.py
+    (TP=1)."""
 
     name = "SGLang server"
+    signal_group = False  # SIGTERM the launcher (it stops its schedulers), SIGKILL leftovers
 
-    def command(self, model_dir: Path) -> list[str]:
-        return _smoke().server_cmd(sys.executable, str(model_dir), self.port, 1,
-                                   ["--random-seed", "0"])
+    def command(self, model_dir: Path, port: int) -> list[str]:
+        return sglang_cmd(sys.executable, str(model_dir), port, 1, ["--random-seed", "0"])
 
     def environment(self, stub: bool, **stitch: str) -> dict[str, str]:
         return _sglang_env(stub, **stitch)
 
     def wait_ready(self, timeout: float) -> None:
         """v0 proven, then SGLang's own warm-up (a /generate, held until v0) passed: /health."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
         self.wait_version(0, timeout)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); log {self.log}")
-            try:
-                if self.http.get("/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; log {self.log}")
-
-    def _terminate(self) -> None:
-        _smoke().stop(self.proc)  # SIGTERM the launcher, wait for its group, SIGKILL leftovers
+        self.wait_healthy(max(0.0, timeout - (time.monotonic() - t0)))
 
 
 def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
@@ -604,7 +545,7 @@ def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
     run = "serve"
     rows, warm = [], None
     with NatsServer(store_dir=d / "nats", port=None) as ns:
-        tr = Trainer(model_dir, board, run, lrs[0], ns.url)
+        tr = SweepTrainer(model_dir, board, run, lrs[0], ns.url)
         tr.publish().result()
         asyncio.run(pull(LocalBoard(board), run, 0, d / "v0", d / "pull-cache", quiet=True))
         t = time.perf_counter()

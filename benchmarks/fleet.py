@@ -44,7 +44,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from stitch_dev.ports import free_port, wait_port  # noqa: E402
 
 RUN = "fleet"
 NS = f"stitch-origin-{os.getpid()}"
@@ -253,21 +254,6 @@ def netns_works() -> bool:
     if ok:
         sh("ip", "netns", "del", name, check=False)
     return ok
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(host: str, port: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{host}:{port} did not accept connections")
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -31,8 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,12 +45,16 @@ from stitch_core.versions.natsserver import NatsServer
 from stitch_trainer import Publisher
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # stitch_dev (the tiny model builder): a checkout's dev helpers,
-    sys.path.append(str(ROOT))  # not installed; the installed stitch packages come first
+if str(ROOT) not in sys.path:  # stitch_dev (the tiny model builder, the server helpers): a
+    sys.path.append(str(ROOT))  # checkout's dev harness, not installed; the installed stitch
+                                # packages come first
+from stitch_dev.ports import free_port  # noqa: E402
+from stitch_dev.procs import SGL_KERNEL_STUB, sglang_cmd, vllm_cmd  # noqa: E402
+from stitch_dev.server import ServerProcess  # noqa: E402
+
 ENGINES = ("vllm", "sglang")
 PROMPT = "The quick brown"
 MAX_TOKENS = 12
-SGL_KERNEL_STUB = ROOT / "tests" / "sglang" / "stub"
 
 
 def default_python(engine: str) -> Path:
@@ -61,24 +63,19 @@ def default_python(engine: str) -> Path:
     return venv / "bin" / "python"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Engine:
-    """An engine's OpenAI server, started as a user would, in its own process group."""
+class Engine(ServerProcess):
+    """An engine's OpenAI server, started as a user would, in its own process group (from the
+    log's folder: the engine imports Stitch from its venv's installed distribution, as a user's
+    does)."""
 
     title = "engine"
     boot = ""  # what happens while it starts, for the waiting message
+    signal_group = False  # SIGTERM the server (it stops its own workers), SIGKILL leftovers
 
     def __init__(self, python: Path, model_dir: Path, log: Path, board: Path, nats: str,
                  run: str):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        self.log = log
         stitch = {"STITCH_BOARD": str(board), "STITCH_NATS_URL": nats, "STITCH_RUN": run,
                   "STITCH_CACHE_DIR": str(log.parent / f"{log.stem}-cache")}
         self.shown_env = {**self.engine_env(), **stitch}  # what a user would set
@@ -86,12 +83,10 @@ class Engine:
         # the engine imports Stitch from its venv's installed distribution, as a user's does
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self.pythonpath(),
                                                           os.environ.get("PYTHONPATH")]))
-        self.cmd = [str(python), *self.command()]
-        self._logf = open(log, "wb")  # noqa: SIM115 (closed in stop)
+        self.cmd = self.command(str(python))
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, env=env, cwd=log.parent, stdout=self._logf,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+        super().__init__(self.cmd, env, self.port, self.model, log)
+        self.name = self.title
 
     # ------------------------------------------------------------ per engine
     def engine_env(self) -> dict[str, str]:
@@ -100,7 +95,7 @@ class Engine:
     def pythonpath(self) -> list[str]:
         return []
 
-    def command(self) -> list[str]:
+    def command(self, python: str) -> list[str]:
         raise NotImplementedError
 
     def ready(self) -> bool:
@@ -151,35 +146,6 @@ class Engine:
                 "temperature": 0.0}
         return self.http.post("/v1/completions", json=body, headers=headers)
 
-    def tail(self, n: int = 40) -> str:
-        self._logf.flush()
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        """SIGTERM the server (it stops its own workers), wait for its process group to empty,
-        SIGKILL whatever is left."""
-        self.http.close()
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _group_alive(pgid):
-            self.proc.poll()  # reap the leader so that the group can empty
-            time.sleep(0.2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        self._logf.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
 
 class VllmEngine(Engine):
     title = "vLLM"
@@ -189,12 +155,8 @@ class VllmEngine(Engine):
     def engine_env(self) -> dict[str, str]:
         return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
-    def command(self) -> list[str]:
-        return ["-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-                "--max-num-seqs", "4", "--port", str(self.port), "--generation-config", "vllm",
-                "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
-                "--middleware", "stitch_vllm.server.StitchMiddleware"]
+    def command(self, python: str) -> list[str]:
+        return vllm_cmd(python, self.model, self.port)
 
 
 class SglangEngine(Engine):
@@ -212,12 +174,10 @@ class SglangEngine(Engine):
     def pythonpath(self) -> list[str]:
         return [str(SGL_KERNEL_STUB)] if self.on_cpu() else []
 
-    def command(self) -> list[str]:
-        cpu = (["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                "--disable-overlap-schedule"] if self.on_cpu() else [])
-        return ["-m", "sglang.launch_server", "--model-path", self.model, "--host", "127.0.0.1",
-                "--port", str(self.port), *cpu, "--max-total-tokens", "8192",
-                "--random-seed", "0", "--enable-metrics"]
+    def command(self, python: str) -> list[str]:
+        return sglang_cmd(python, self.model, self.port, 1, ["--random-seed", "0",
+                                                            "--enable-metrics"],
+                          cpu=self.on_cpu())
 
     def ready(self) -> bool:  # SGLang's own warm-up ran (it starts once a version is proven)
         return self.http.get("/health", timeout=5).status_code == 200
@@ -226,7 +186,7 @@ class SglangEngine(Engine):
 ENGINE_CLASSES: dict[str, type[Engine]] = {"vllm": VllmEngine, "sglang": SglangEngine}
 
 
-class Trainer:
+class CorpusTrainer:
     """A HF causal LM trained with AdamW on a few sentences, publishing each step."""
 
     def __init__(self, model_dir: Path, board: Path, nats: str, lr: float, run: str):
@@ -296,7 +256,7 @@ class EngineDemo:
             self.board = work / "board"
             model_dir = build_tiny_model(work / "model", arch="qwen2", max_position_embeddings=256)
             self.nats = self.stack.enter_context(NatsServer(work / "nats", port=0))
-            self.trainer = Trainer(model_dir, self.board, self.nats.url, self.lr, self.run)
+            self.trainer = CorpusTrainer(model_dir, self.board, self.nats.url, self.lr, self.run)
             self.stack.callback(self.trainer.pub.close)
             self.v0 = self.trainer.publish().result(120)
             asyncio.run(pull(LocalBoard(self.board), self.run, 0, work / "v0", work / "cache",
@@ -316,7 +276,7 @@ class EngineDemo:
                   file=sys.stderr)
         elif (typ is not None and self.engine is not None
               and not (typ is SystemExit and isinstance(exc.code, int))):  # not SIGTERM
-            print(f"\n--- last lines of {self.engine.log} ---\n{self.engine.tail()}\n---",
+            print(f"\n--- last lines of {self.engine.log} ---\n{self.engine.tail(40)}\n---",
                   file=sys.stderr)
         self.stack.close()
         print(f"\nstopped the {self.kind.title} server and nats-server ({self.work})")
@@ -347,7 +307,7 @@ def engine_demo(work: Path, versions: int = 6, lr: float = 3e-3,
         demo.show()
 
 
-def run_versions(engine: Engine, trainer: Trainer, versions: int) -> None:
+def run_versions(engine: Engine, trainer: CorpusTrainer, versions: int) -> None:
     print("each step: train, publish, then POST /v1/completions with X-Stitch-Min-Version: <v>, "
           "X-Stitch-Wait: 30\n(a tiny model at a high lr, so most weights change each step; part 1 "
           "shows an RL-sized lr)\n"

@@ -2,9 +2,9 @@
 hangs once another has written is undone everywhere and the old version proven; when the old
 version cannot be proven the engine stops serving (version None: requests get not_ready) and a
 snapshot load through the verified path brings it back. Real Coordinator, real RankReplicas on a
-TP=2 toy engine (tests/toy_engine.py), faults injected in the transport or by the ranks' own
+TP=2 toy engine (stitch_dev/toy_engine.py), faults injected in the transport or by the ranks' own
 failpoints (stitch_core.engine.failpoints; the same faults on real vLLM and SGLang engines:
-tests/faults_common.py)."""
+stitch_dev/engine_faults.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from stitch_core.serve.gate import VersionGate
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.materialize import pull
 from stitch_core.versions.store import fetch_patch, read_manifest
+from stitch_dev.toy_engine import publish_toy_run
 
 from .test_engine_apply import RUN, _engines, _same
-from .toy_engine import publish_toy_run
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from stitch_core.versions.board.serve import (
     serve,
 )
 from stitch_core.versions.manifest import Latest, latest_key, manifest_key
+from stitch_dev.ports import free_port
 
 RUN = "run-a"
 BIG = f"{RUN}/versions/000001/model.safetensors"
@@ -252,20 +253,12 @@ async def test_retries_5xx(board, site, srv, tmp_path):
 
 
 async def test_retries_connection_refused(site):
-    b = HttpBoard(f"http://127.0.0.1:{_free_port()}", attempts=3, backoff=0.001, timeout=2)
+    b = HttpBoard(f"http://127.0.0.1:{free_port()}", attempts=3, backoff=0.001, timeout=2)
     try:
         with pytest.raises(BoardError, match="3 attempts"):
             await b.get(MANIFEST)
     finally:
         await b.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raw(site, path: str, method: str = "GET", headers: dict | None = None):

@@ -1,4 +1,5 @@
-"""Coordinator + RankReplica on an engine-style TP model (tests/toy_engine.py), no engine needed.
+"""Coordinator + RankReplica on an engine-style TP model (stitch_dev/toy_engine.py), no engine
+needed.
 
 The same code runs inside vLLM workers (tests/vllm); here the ranks are in-process and the RPC
 round-trips through pickle like the engine's. A trainer publishes real AdamW versions to a board; a
@@ -22,9 +23,8 @@ from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.materialize import pull
 from stitch_core.versions.store import read_manifest
+from stitch_dev.toy_engine import HFToy, ToyEngine, publish_toy_run, train
 from stitch_trainer.publisher import Publisher
-
-from .toy_engine import HFToy, ToyEngine, publish_toy_run, train
 
 RUN = "toy"
 N = 12

@@ -18,9 +18,8 @@ from stitch_core.engine.replica import RankReplica
 from stitch_core.node import EngineFollower, FollowerMiddleware, Settings, current
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.materialize import pull
+from stitch_dev.toy_engine import HFToy, ToyEngine, train
 from stitch_trainer.publisher import Publisher
-
-from .toy_engine import HFToy, ToyEngine, train
 
 RUN = "toyserve"
 

@@ -1,6 +1,7 @@
-"""Rows of the fault suite (benchmarks/faults.py) as tests: the same rigs (a real Publisher,
-nats-server and HTTP board; a Follower driving a Coordinator over two in-process toy TP ranks
-with a VersionGate; an engine-step loop checking every admitted request), shorter timers.
+"""Rows of the fault suite (benchmarks/faults.py) as tests: the same rigs (stitch_dev.fault_rig: a
+real Publisher, nats-server and HTTP board; a Follower driving a Coordinator over two in-process
+toy TP ranks with a VersionGate; an engine-step loop checking every admitted request), shorter
+timers.
 
 Each fault must leave no request served from an unproven state, lose no version published
 after it, and end with the follower at the next good version. The rows the suite shows as
@@ -11,26 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from stitch_dev import fault_rig as faults
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("stitch_fault_suite",
-                                                  ROOT / "benchmarks" / "faults.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-faults = _load()
 ROWS = ["corrupt", "bomb", "rank-lost", "board-refused", "trainer-killed"]
 
 

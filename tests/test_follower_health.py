@@ -11,8 +11,8 @@ import pytest
 
 from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_core.versions.natsserver import NatsServer
+from stitch_dev.ports import free_port
 
-from .procs import free_port
 from .test_follow_nats import Trainer, same
 
 
@@ -118,9 +118,9 @@ async def test_engine_stops_serving_when_its_follower_dies(tmp_path, n):
     from stitch_core.node import Settings
     from stitch_core.versions.board import LocalBoard
     from stitch_core.versions.materialize import pull
+    from stitch_dev.toy_engine import ToyEngine, publish_toy_run
 
     from .test_engine_follower import ToyFollower
-    from .toy_engine import ToyEngine, publish_toy_run
 
     views = publish_toy_run(tmp_path / "board", "ed", 2)
     d = tmp_path / "v0"

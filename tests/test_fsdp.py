@@ -229,11 +229,12 @@ def worker(work: Path, rank: int) -> None:
 
 def _launch(work: Path, script: str = __file__, world: int = WORLD) -> None:
     """Run `script WORK RANK` as `world` processes; fail with their logs if any fails."""
-    from .ranks import rank_env, run_ranks  # the parent only (ranks run this file as a script)
+    # the parent only (ranks run this file as a script, without the checkout on sys.path)
+    from stitch_dev.ranks import rank_env, run_ranks
 
     env = rank_env(PYTHONHASHSEED="0")
     run_ranks(work, world, lambda r: [sys.executable, script, str(work), str(r)],
-              lambda r: env, TIMEOUT)
+              lambda r: env, TIMEOUT, pytest.fail)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -22,8 +22,8 @@ from stitch_core.serve.routing import GatewayStatus
 from stitch_core.versions.announce import connect, ensure_streams, gateways, publish_heartbeat
 from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_core.versions.manifest import Heartbeat
+from stitch_dev.ports import free_port
 
-from .procs import free_port
 from .test_follow_nats import Trainer
 from .test_protocol import FakeOpenAI, events, hdrs
 

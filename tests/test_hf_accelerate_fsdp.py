@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -168,22 +167,18 @@ def worker(work: Path) -> None:
 # ---------------------------------------------------------------- parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(work: Path) -> None:
     """torchrun's environment for WORLD processes running this file; fail with their logs."""
-    from .ranks import rank_env, run_ranks  # the parent only (ranks run this file as a script)
+    # the parent only (ranks run this file as a script, without the checkout on sys.path)
+    from stitch_dev.ports import free_port
+    from stitch_dev.ranks import rank_env, run_ranks
 
-    base = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    base = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                     WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                     HF_HUB_OFFLINE="1",  # nothing may be downloaded
                     TOKENIZERS_PARALLELISM="false")
     run_ranks(work, WORLD, lambda r: [sys.executable, __file__, str(work)],
-              lambda r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, TIMEOUT)
+              lambda r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, TIMEOUT, pytest.fail)
 
 
 @pytest.fixture(scope="module")

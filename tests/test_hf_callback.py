@@ -86,13 +86,12 @@ dist.destroy_process_group()
 def test_callback_refuses_a_gathering_publish_of_an_fsdp2_model(tmp_path):
     """On the main process alone, a plain Publisher would gather DTensors with collectives the
     other ranks never join (a hang on a real cluster): the callback refuses, naming the fix."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from stitch_dev.ports import free_port
+
+    port = free_port()
     r = subprocess.run([sys.executable, "-c", SHARDED_CALLBACK, str(tmp_path / "b"), str(port)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

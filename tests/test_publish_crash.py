@@ -281,7 +281,7 @@ async def test_board_on_r3_buckets_survives_a_node(tmp_path):
 
     from stitch_core.versions.announce import connect
     from stitch_core.versions.board.nats import NatsBoard
-    from tests.procs import free_port
+    from stitch_dev.ports import free_port
 
     routes = [free_port() for _ in range(3)]
     servers = []

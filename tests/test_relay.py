@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -25,14 +24,9 @@ from stitch_core.versions.board.http import HttpBoard
 from stitch_core.versions.board.serve import BoardHandler, serve
 from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_core.versions.relay import NginxRelay, find_nginx, nginx_config
+from stitch_dev.ports import free_port
 
 RUN = "relay"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Counting(BoardHandler):

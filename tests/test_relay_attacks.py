@@ -24,8 +24,9 @@ from stitch_core.versions.board.serve import serve
 from stitch_core.versions.follower import Follower, MemoryReplica
 from stitch_core.versions.relay import NginxRelay, RelayConfigError, find_nginx
 from stitch_core.versions.trust import new_key
+from stitch_dev.ports import free_port
 from stitch_trainer.publisher import Publisher
-from tests.test_relay import Counting, free_port, get, make_model
+from tests.test_relay import Counting, get, make_model
 
 RUN = "relay"
 

@@ -15,8 +15,10 @@ from stitch_core.format.patch import diff
 from stitch_core.versions.manifest import Latest, Manifest, manifest_key
 from stitch_core.versions.store import now, object_ref
 from stitch_core.versions.trust import SigningKey
+from stitch_dev.server import ServerProcess
+from stitch_dev.trainer import AdamWTrainer
 
-from .engine_common import ServerProcess, Trainer, forge_next_version
+from .engine_common import forge_next_version
 
 
 def _write(board_dir: Path, run: str, m: Manifest, patch: Path, latest: Latest) -> None:
@@ -27,7 +29,7 @@ def _write(board_dir: Path, run: str, m: Manifest, patch: Path, latest: Latest) 
     (board_dir / run / "latest").write_text(latest.model_dump_json())
 
 
-def consistent_forgery(trainer: Trainer, board_dir: Path, run: str, v: int,
+def consistent_forgery(trainer: AdamWTrainer, board_dir: Path, run: str, v: int,
                        stage: Path) -> tuple[Manifest, Path]:
     """v + 1 = the trainer's v with chosen values (1000.0) in every tensor, and a manifest whose
     fingerprints, digest, size and SHA-256 all match it: only a signature tells it apart."""
@@ -65,7 +67,7 @@ def wait_refused(server: ServerProcess, version: int, want: str, timeout: float 
     raise AssertionError(f"v{version} not refused for {want!r}: {st}")
 
 
-def refuses_forgeries_then_follows_signed(server: ServerProcess, trainer: Trainer,
+def refuses_forgeries_then_follows_signed(server: ServerProcess, trainer: AdamWTrainer,
                                           board_dir: Path, run: str, trusted: Path,
                                           attacker: Path, stage: Path) -> None:
     """Run the scenario (see the module doc); every step asserted on the live engine."""

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 
-from ..engine_common import ServerProcess, vllm_cmd, vllm_env
-from ..procs import free_port
-from .smoke import server_cmd, server_env
+from stitch_dev.ports import free_port
+from stitch_dev.procs import sglang_cmd, sglang_env, vllm_cmd, vllm_env
+from stitch_dev.server import ServerProcess
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -26,7 +25,7 @@ TOP = 3
 
 
 def engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[str, str]:
-    env = server_env(tp)
+    env = sglang_env(tp)
     for k in [k for k in env if k.startswith("STITCH_")]:
         del env[k]
     if plain:
@@ -37,22 +36,10 @@ def engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[str, str
 
 
 class Engine(ServerProcess):
-    """A server subprocess (tests/engine_common.ServerProcess) that can also wait for /health."""
+    """An SGLang server subprocess (stitch_dev.server.ServerProcess; `wait_healthy` for its
+    /health)."""
 
-    signal_group = False  # SGLang's launcher stops its schedulers itself (smoke.stop)
-
-    def wait_healthy(self, timeout: float = 400) -> float:
-        """Poll /health until 200 (SGLang's own warm-up request passed)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            self._alive()
-            try:
-                if self.http.get("/health", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.name} not healthy after {timeout}s\n{self.tail()}")
+    signal_group = False  # SGLang's launcher stops its schedulers itself (stitch_dev.procs.stop)
 
 
 class Server(Engine):
@@ -67,7 +54,7 @@ class Server(Engine):
         port = free_port()
         self.tp = tp
         keys = ["--api-key", api_key] if api_key else []
-        cmd = server_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra, *keys])
+        cmd = sglang_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra, *keys])
         super().__init__(cmd, engine_env(tp, plain, **stitch), port, str(model_dir), log)
         if api_key:  # every helper request carries it
             self.http.headers["Authorization"] = f"Bearer {api_key}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,37 +25,11 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-STUB = HERE / "stub"
 if str(HERE.parent.parent) not in sys.path:  # run as a script: the repository root
     sys.path.insert(0, str(HERE.parent.parent))
 
-from tests.procs import free_port, stop  # noqa: E402,F401 (stop: also for benchmarks/)
-
-
-def server_env(tp: int, extra_pythonpath: list[str] | None = None) -> dict[str, str]:
-    """Environment for SGLang's CPU engine with the stand-in kernel first on PYTHONPATH."""
-    env = dict(os.environ)
-    paths = [str(STUB), *(extra_pythonpath or [])]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    if tp > 1:
-        # one core per rank; no NCCL library on the CPU (gloo is used)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
-                                                       for i in range(tp))
-        env["SGLANG_NCCL_SO_PATH"] = "/nonexistent"
-    return env
-
-
-def server_cmd(python: str, model_dir: str, port: int, tp: int, extra: list[str]) -> list[str]:
-    return [python, "-m", "sglang.launch_server", "--model-path", model_dir,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--device", "cpu", "--attention-backend", "torch_native",
-            "--disable-cuda-graph", "--disable-overlap-schedule",
-            # without a cap the CPU KV pool takes ~70% of free memory (15 GB here)
-            "--max-total-tokens", "8192",
-            "--tp", str(tp), *extra]
+# standard library only: the smoke script runs on its own
+from stitch_dev.procs import free_port, sglang_cmd, sglang_env, stop  # noqa: E402
 
 
 def post(url: str, body: dict, timeout: float = 60.0) -> dict:
@@ -104,10 +77,10 @@ def main() -> int:
     port = a.port or free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = a.log or str(Path(tmp.name) / "server.log")
-    cmd = server_cmd(a.python, model_dir, port, a.tp, a.extra)
+    cmd = sglang_cmd(a.python, model_dir, port, a.tp, a.extra)
     print("+", " ".join(cmd), f"> {log_path}", flush=True)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=server_env(a.tp), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=sglang_env(a.tp), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         startup = wait_ready(base, proc, a.timeout)

@@ -21,9 +21,10 @@ from stitch_core.format import fingerprint as fpr  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.store import read_manifest  # noqa: E402
+from stitch_dev.server import ServerProcess  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import ServerProcess, Trainer  # noqa: E402
 from .engines import Server, VllmServer, vllm_python  # noqa: E402
 
 VLLM_PYTHON = vllm_python()
@@ -33,7 +34,7 @@ RUN = "sg-cross"
 
 def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, nats_server):
     model_dir = build_tiny_model(tmp_path / "model", arch="qwen2")
-    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN)
+    trainer = AdamWTrainer(model_dir, tmp_path / "board", nats_server.url, RUN)
     board = LocalBoard(tmp_path / "board")
     engines: list[ServerProcess] = []
     try:

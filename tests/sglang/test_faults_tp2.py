@@ -1,5 +1,5 @@
 """Faults during an apply on a real SGLang engine at TP=2 (CPU, two scheduler processes, gloo),
-the scenario of tests/faults_common.py: a rank raising mid-write (rank 1) and after its whole
+the scenario of stitch_dev/engine_faults.py: a rank raising mid-write (rank 1) and after its whole
 write (rank 0), rank 1 hanging mid-write past STITCH_RPC_TIMEOUT (rank 0 waits for it in the
 RPC's all-gather, so the whole engine waits), and the whole engine SIGKILLed mid-apply and
 restarted. One engine for the module (started again once, by the last test); the records go to
@@ -18,10 +18,10 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.engine_faults import FAULT_ENV, HANG, apply_fault, kill_mid_apply  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer  # noqa: E402
-from ..faults_common import FAULT_ENV, HANG, apply_fault, kill_mid_apply  # noqa: E402
 from .engines import Server  # noqa: E402
 
 RUN = "sg-faults"
@@ -37,7 +37,7 @@ def send(client: httpx.Client, headers: dict) -> httpx.Response:
 def stack(tmp_path_factory, nats_server):
     root = tmp_path_factory.mktemp("sglang-faults")
     model_dir = build_tiny_model(root / "model", arch="qwen2")
-    trainer = Trainer(model_dir, root / "board", nats_server.url, RUN)
+    trainer = AdamWTrainer(model_dir, root / "board", nats_server.url, RUN)
     assert trainer.publish() == 0
     asyncio.run(pull(LocalBoard(root / "board"), RUN, 0, root / "v0", root / "cache",
                      quiet=True))

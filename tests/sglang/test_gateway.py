@@ -29,12 +29,13 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 from stitch_core.serve import protocol  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.ports import free_port  # noqa: E402
+from stitch_dev.procs import sglang_cmd, stop  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer, sse_events  # noqa: E402
-from ..procs import free_port, stop  # noqa: E402
+from ..engine_common import sse_events  # noqa: E402
 from .engines import Engine, VllmServer, engine_env, vllm_python  # noqa: E402
-from .smoke import server_cmd  # noqa: E402
 
 RUN = "sg-gateway"
 VLLM_PYTHON = vllm_python()
@@ -46,7 +47,7 @@ class SglangServer(Engine):
     def __init__(self, model_dir: Path, log: Path, **stitch: str):
         port = free_port()
         stitch["engine_url"] = f"http://127.0.0.1:{port}"
-        super().__init__(server_cmd(sys.executable, str(model_dir), port, 1,
+        super().__init__(sglang_cmd(sys.executable, str(model_dir), port, 1,
                                     ["--random-seed", "0"]),
                          engine_env(1, False, **stitch), port, str(model_dir), log)
 
@@ -91,7 +92,7 @@ class GatewayProcess:
 def fleet(tmp_path_factory, nats_server):
     tmp = tmp_path_factory.mktemp("gateway")
     model_dir = build_tiny_model(tmp / "model", arch="qwen2")
-    trainer = Trainer(model_dir, tmp / "board", nats_server.url, RUN)
+    trainer = AdamWTrainer(model_dir, tmp / "board", nats_server.url, RUN)
     procs: list = []
     try:
         assert trainer.publish() == 0

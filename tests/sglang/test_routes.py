@@ -27,10 +27,10 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 import stitch_core.node as node  # noqa: E402
 from stitch_core.serve import protocol, routes  # noqa: E402
 from stitch_core.serve.gate import VersionGate  # noqa: E402
+from stitch_dev.server import wait_started  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 from stitch_sglang import server as sg  # noqa: E402
 
-from ..engine_common import wait_started  # noqa: E402
 from .engines import Server  # noqa: E402
 
 RUN = "sg-routes"

@@ -27,9 +27,11 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
 
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.server import verify_clean  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer, follow_versions, verify_clean  # noqa: E402
+from ..engine_common import follow_versions  # noqa: E402
 from .engines import Server, fresh_outputs  # noqa: E402
 
 RUN = "sg-tp2"
@@ -41,7 +43,7 @@ VERSIONS = 4
 @pytest.mark.parametrize("tp", [1, 2], ids=["realistic-tp1", "realistic-tp2"])
 def test_engine_follows_and_matches_a_fresh_engine(tmp_path, nats_server, tp, record_cpu_path):
     model_dir = build_tiny_model(tmp_path / "model", **REALISTIC)
-    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN, lr=3e-6)
+    trainer = AdamWTrainer(model_dir, tmp_path / "board", nats_server.url, RUN, lr=3e-6)
     server = None
     try:
         assert trainer.publish() == 0

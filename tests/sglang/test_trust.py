@@ -17,8 +17,8 @@ from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.trust import SigningKey, TrustSet, new_key  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer  # noqa: E402
 from ..trust_common import refuses_forgeries_then_follows_signed  # noqa: E402
 from .engines import Server  # noqa: E402
 
@@ -32,7 +32,7 @@ def stack(tmp_path_factory, nats_server):
     for k in keys.values():
         new_key(k)
     model_dir = build_tiny_model(root / "model", arch="qwen2", max_position_embeddings=2048)
-    trainer = Trainer(model_dir, root / "board", nats_server.url, RUN,
+    trainer = AdamWTrainer(model_dir, root / "board", nats_server.url, RUN,
                       signing_key=keys["trainer"])
     assert trainer.publish() == 0
     trust = TrustSet.parse([f"{keys['trainer']}.pub"])

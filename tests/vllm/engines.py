@@ -14,8 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from ..engine_common import ServerProcess, vllm_cmd, vllm_env
-from ..procs import free_port
+from stitch_dev.ports import free_port
+from stitch_dev.procs import vllm_cmd, vllm_env
+from stitch_dev.server import ServerProcess
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12

@@ -26,9 +26,11 @@ from stitch_core.serve import protocol  # noqa: E402
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
 from stitch_core.versions.store import read_manifest  # noqa: E402
+from stitch_dev.server import wait_rejected  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer, forge_next_version, sse_events, wait_rejected  # noqa: E402
+from ..engine_common import forge_next_version, sse_events  # noqa: E402
 from .engines import PROMPTS, Server, fresh_outputs  # noqa: E402
 from .test_routes import bodies  # noqa: E402
 
@@ -41,7 +43,7 @@ COMPARE = [3, 7, 10]
 def stack(tmp_path_factory, nats_server):
     root = tmp_path_factory.mktemp("vllm-e2e")
     model_dir = build_tiny_model(root / "model", arch="qwen2", max_position_embeddings=2048)
-    trainer = Trainer(model_dir, root / "board", nats_server.url, RUN)
+    trainer = AdamWTrainer(model_dir, root / "board", nats_server.url, RUN)
     assert trainer.publish() == 0
     asyncio.run(pull(LocalBoard(root / "board"), RUN, 0, root / "v0", root / "cache",
                      quiet=True))

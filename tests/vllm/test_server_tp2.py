@@ -26,9 +26,11 @@ if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
 
 from stitch_core.versions.board import LocalBoard  # noqa: E402
 from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.server import verify_clean  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
+from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import Trainer, follow_versions, verify_clean  # noqa: E402
+from ..engine_common import follow_versions  # noqa: E402
 from .engines import Server, fresh_outputs  # noqa: E402
 from .test_server import RUN  # noqa: E402
 
@@ -42,7 +44,7 @@ def test_engine_follows_and_matches_a_fresh_engine(tmp_path, nats_server, arch, 
     kw = REALISTIC if arch == "realistic" else {"arch": arch}
     model_dir = build_tiny_model(tmp_path / "model", **kw)
     lr = 3e-6 if arch == "realistic" else 2e-3  # an RL learning rate on the realistic model
-    trainer = Trainer(model_dir, tmp_path / "board", nats_server.url, RUN, lr=lr)
+    trainer = AdamWTrainer(model_dir, tmp_path / "board", nats_server.url, RUN, lr=lr)
     server = None
     try:
         assert trainer.publish() == 0

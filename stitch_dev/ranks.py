@@ -1,5 +1,5 @@
-"""Run one process per rank for the multi-process (gloo, CPU) trainer tests; fail with their logs
-if any rank fails or the group runs past its time."""
+"""Run one process per rank for the multi-process (gloo, CPU) trainer tests and benchmarks; fail
+with their logs if any rank fails or the group runs past its time."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import pytest
+from typing import NoReturn
 
 
 def rank_env(**extra: str) -> dict[str, str]:
@@ -22,10 +21,11 @@ def rank_env(**extra: str) -> dict[str, str]:
 
 
 def run_ranks(work: Path, world: int, argv: Callable[[int], list[str]],
-              env: Callable[[int], Mapping[str, str]], timeout: float) -> None:
+              env: Callable[[int], Mapping[str, str]], timeout: float,
+              fail: Callable[[str], NoReturn] | None = None) -> None:
     """Start `argv(r)` with `env(r)` for every rank r, logs in WORK/rank{r}.log; wait for all.
-    Stops the rest as soon as one rank fails or at `timeout`, then fails the test with the tails
-    of every rank's log."""
+    Stops the rest as soon as one rank fails or at `timeout`, then calls `fail` (a test passes
+    pytest.fail; default: SystemExit) with the tails of every rank's log."""
     procs, logs = [], []
     try:
         for r in range(world):
@@ -50,4 +50,7 @@ def run_ranks(work: Path, world: int, argv: Callable[[int], list[str]],
             f"--- rank {r} (exit {c}):\n" + (work / f"rank{r}.log").read_text()[-4000:]
             for r, c in enumerate(codes)
         )
-        pytest.fail(f"workers failed or timed out: {codes}\n{tails}")
+        msg = f"workers failed or timed out: {codes}\n{tails}"
+        if fail is None:
+            raise SystemExit(msg)
+        fail(msg)

@@ -1,5 +1,5 @@
-"""Faults during an apply on a real TP=2 engine, the scenario both engine suites run
-(tests/vllm/test_faults_tp2.py, tests/sglang/test_faults_tp2.py).
+"""The fault rig of the real engines: faults during an apply on a real TP=2 engine, the scenario
+both engine suites run (tests/vllm/test_faults_tp2.py, tests/sglang/test_faults_tp2.py).
 
 The engine runs with STITCH_FAILPOINTS=1 (so `POST /stitch/debug/arm` arms a rank's failpoint,
 stitch_core.engine.failpoints) and a short STITCH_RPC_TIMEOUT. For each fault the trainer
@@ -39,7 +39,9 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.store import read_manifest
 
-from .engine_common import ServerProcess, Trainer, verify_clean
+from .procs import group_alive
+from .server import ServerProcess, verify_clean
+from .trainer import AdamWTrainer
 
 ARM_PATH = "/stitch/debug/arm"
 RPC_TIMEOUT = 4  # STITCH_RPC_TIMEOUT of the engines under test
@@ -184,7 +186,7 @@ def wait_for(cond: Callable[[dict], bool], server: ServerProcess, timeout: float
     raise AssertionError(f"{what}: not after {timeout} s: {st}\n{server.tail()}")
 
 
-def check_latest(server: ServerProcess, trainer: Trainer, board_dir: Path, run: str,
+def check_latest(server: ServerProcess, trainer: AdamWTrainer, board_dir: Path, run: str,
                  v: int, send: Send) -> None:
     """The engine serves `v`, proven on every rank against v's manifest, whose fingerprints are
     the trainer's weights: the engine holds them bit for bit. A request pinned to v is a 200."""
@@ -198,8 +200,8 @@ def check_latest(server: ServerProcess, trainer: Trainer, board_dir: Path, run: 
     assert r.status_code == 200 and r.json()["stitch"]["version_end"] == v, r.text
 
 
-def apply_fault(server: ServerProcess, trainer: Trainer, board_dir: Path, run: str, engine: str,
-                send: Send, fault: str, *, rank: int, point: str, action: str,
+def apply_fault(server: ServerProcess, trainer: AdamWTrainer, board_dir: Path, run: str,
+                engine: str, send: Send, fault: str, *, rank: int, point: str, action: str,
                 undone: bool, **arm_kw) -> FaultRecord:
     """Arm rank `rank`'s failpoint, publish the next version and follow the engine through the
     failure (undone and the old version proven: `undone`; else not_ready until a snapshot load
@@ -255,18 +257,14 @@ def sigkill(server: ServerProcess, timeout: float = 60.0) -> None:
     pgid = server.proc.pid
     os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and group_alive(pgid):
         server.proc.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            break
         time.sleep(0.1)
     server.stop(grace=1.0)
 
 
-def kill_mid_apply(server: ServerProcess, restart: Callable[[], ServerProcess], trainer: Trainer,
-                   board_dir: Path, run: str, engine: str, send: Send
+def kill_mid_apply(server: ServerProcess, restart: Callable[[], ServerProcess],
+                   trainer: AdamWTrainer, board_dir: Path, run: str, engine: str, send: Send
                    ) -> tuple[ServerProcess, FaultRecord]:
     """Rank 1 hangs mid-write; the whole engine is SIGKILLed while it hangs and started again
     (`restart`: same pulled directory, same board). The restarted engine proves its start-up and

@@ -57,7 +57,6 @@ import platform
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -412,33 +411,11 @@ def worker(work: Path, rank: int) -> None:
 
 
 def launch(work: Path, world: int, timeout: float) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    if sys.platform == "linux":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    for r in range(world):
-        log = open(work / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        cmd = [sys.executable, __file__, "--worker", str(work), str(r)]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=env))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in procs]
-    if codes != [0] * world:
-        for r, c in enumerate(codes):
-            print(f"--- rank {r} (exit {c}):\n" + (work / f"rank{r}.log").read_text()[-4000:])
-        raise SystemExit(f"workers failed or timed out: {codes}")
+    from stitch_dev.ranks import rank_env, run_ranks
+
+    env = rank_env(MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    run_ranks(work, world, lambda r: [sys.executable, __file__, "--worker", str(work), str(r)],
+              lambda r: env, timeout)
 
 
 def machine_info() -> str:

@@ -15,7 +15,8 @@
 
 An engine plugin (stitch_vllm, stitch_sglang) subclasses both: how to reach the ranks, how to hold
 engine steps, what to tell the engine after an apply, and where its engine handle lives.
-Configuration is the environment (`Settings`). Requests get 409 until the engine holds a proven
+Configuration is the environment (`Settings`, defined in `stitch_core.settings` with every other
+STITCH_* variable, re-exported here). Requests get 409 until the engine holds a proven
 version; it never serves silently.
 """
 
@@ -28,60 +29,22 @@ import hashlib
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ByteSize
-
-from stitch_core.engine import failpoints, rpc
+from stitch_core.engine import rpc
+from stitch_core.failpoints import enabled as failpoints_enabled
 from stitch_core.serve import protocol
 from stitch_core.serve.asgi import ASGIApp, Scope, StitchASGI, send_json
 from stitch_core.serve.routes import Route
+from stitch_core.settings import Settings, SettingsError
 
 log = logging.getLogger("stitch.engine")
 
-__all__ = ["Settings", "EngineFollower", "FollowerMiddleware", "current"]
-
-
-class Settings(BaseModel):
-    """Environment configuration (STITCH_<FIELD> upper-cased)."""
-
-    board: str | None = None  # board URL or directory; unset: serve the loaded version only
-    run: str | None = None  # default: the run of the snapshot's manifest
-    nats_url: str | None = None  # announcements (optional: the board is polled anyway)
-    cache_dir: str | None = None  # default: the per-user cache (versions.materialize)
-    cache_max_bytes: ByteSize = ByteSize(20 << 30)  # e.g. "8GiB"; = cache.DEFAULT_MAX_BYTES
-    apply_mode: Literal["immediate", "drain"] = "immediate"
-    drain_timeout: float = 30.0
-    max_wait: float = 600.0
-    reconcile_interval: float = 5.0
-    pause_steps: bool = True  # hold engine steps while ranks write (verified before resuming)
-    verify_interval: float = 0.0  # seconds between full fingerprint checks (0: start-up only)
-    loader_fallback: bool = False  # tensors the map cannot place: load unverified (else refuse)
-    rpc_timeout: float = 300.0  # seconds a rank RPC of an apply may take (then undone / refused)
-    load_timeout: float = 3600.0  # the same for start-up layout learning and snapshot loads
-    # bytes of patch an apply decodes at a time in the API server (larger patches: in batches)
-    apply_memory: int = 64 << 20
-    engine_id: str | None = None
-    engine_url: str | None = None  # advertised in heartbeats
-    region: str | None = None
-    # trusted signing keys (comma-separated public-key files or inline keys): only versions
-    # signed by one of them are applied; unset: the board is trusted (logged once)
-    trust: str | None = None
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        env = dict(os.environ if env is None else env)
-        vals: dict[str, Any] = {}
-        for name in cls.model_fields:
-            key = f"STITCH_{name.upper()}"
-            if key in env and env[key] != "":
-                vals[name] = env[key]
-        return cls.model_validate(vals)
+__all__ = ["Settings", "SettingsError", "EngineFollower", "FollowerMiddleware", "current"]
 
 
 class EngineFollower:
@@ -239,7 +202,6 @@ class EngineFollower:
 VERIFY_PATH = "/stitch/verify"
 ARM_PATH = "/stitch/debug/arm"  # only with STITCH_FAILPOINTS=1 (tests, chaos drills)
 ARM_BODY_MAX = 4096
-VERIFY_COOLDOWN = 10.0  # default seconds between two verifies (STITCH_VERIFY_COOLDOWN)
 UNAUTHORIZED = {"error": "Unauthorized"}  # the 401 body of vLLM's and SGLang's key checks
 
 Check = Callable[[Scope], bool]
@@ -320,14 +282,17 @@ class FollowerMiddleware(StitchASGI):
     """
 
     def __init__(self, app: Any, **kw: Any):
+        # every setting parsed here, when the server builds its middleware: a bad value refuses
+        # the start-up (SettingsError names it) instead of surfacing later
+        self.settings = Settings.from_env()
+        kw.setdefault("max_body", self.settings.max_body_bytes)
         super().__init__(app, _current_gate, **kw)
-        env = os.environ.get("STITCH_VERIFY_COOLDOWN", "").strip()
-        self.verify_cooldown = max(0.0, float(env)) if env else VERIFY_COOLDOWN
+        self.verify_cooldown = self.settings.verify_cooldown
         self.control_check: Check | None = None  # None: /stitch/verify is open
         self._verifying = False
         self._verify_after = 0.0  # monotonic time the next verify may start
         self._verify_took = 0.0
-        self.failpoints = failpoints.enabled()  # POST /stitch/debug/arm exists
+        self.failpoints = failpoints_enabled()  # POST /stitch/debug/arm exists
 
     def make_follower(self, app: Any) -> EngineFollower | None:
         raise NotImplementedError
@@ -395,7 +360,7 @@ class FollowerMiddleware(StitchASGI):
             # never serve unproven weights silently: every gated request gets 409 not_ready
             from stitch_core.serve.gate import VersionGate
 
-            _REFUSING = VersionGate(Settings.from_env().run or "unknown")
+            _REFUSING = VersionGate(_run_or_unknown())
             log.exception("stitch: could not start the follower; requests get 409")
 
     async def shutdown(self) -> None:
@@ -470,6 +435,13 @@ class FollowerMiddleware(StitchASGI):
             self._verify_took = time.monotonic() - t0
             self._verify_after = time.monotonic() + max(self.verify_cooldown, self._verify_took)
         await send_json(send, 200 if check.get("ok") else 503, check)
+
+
+def _run_or_unknown() -> str:
+    try:
+        return Settings.read("run") or "unknown"
+    except SettingsError:
+        return "unknown"
 
 
 _CURRENT: EngineFollower | None = None

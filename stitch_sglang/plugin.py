@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 
 log = logging.getLogger("stitch.sglang")
 
@@ -32,9 +31,12 @@ WARMUP_HOOK = "sglang.srt.entrypoints.http_server._wait_and_warmup"
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
-    """Whether the plugin is on: STITCH_SGLANG (`env`, default os.environ) is not 0/false/no/off."""
-    env = os.environ if env is None else env
-    return env.get("STITCH_SGLANG", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether the plugin is on: STITCH_SGLANG (`env`, default os.environ) is not 0/false/no/off
+    (`stitch_core.settings`; a value that is no boolean raises SettingsError: SGLang logs it and
+    runs without the plugin)."""
+    from stitch_core.settings import Settings
+
+    return bool(Settings.read("sglang", env))
 
 
 def register() -> None:
@@ -42,8 +44,7 @@ def register() -> None:
     plugin is off or SGLang lacks the plugin API."""
     if not enabled():
         if multiprocessing.parent_process() is None:  # once per server, not per rank
-            log.warning("stitch: STITCH_SGLANG=%s: the Stitch plugin is off",
-                        os.environ.get("STITCH_SGLANG"))
+            log.warning("stitch: STITCH_SGLANG is off: the Stitch plugin is off")
         return
     try:
         from sglang.srt.managers import io_struct

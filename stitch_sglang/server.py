@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import uuid
 from pathlib import Path
@@ -283,8 +282,8 @@ class StitchMiddleware(FollowerMiddleware):
 
 def follows(model_path: str | None, env: dict[str, str] | None = None) -> bool:
     """Is this server a Stitch follower? STITCH_BOARD/STITCH_RUN set, or a pulled snapshot."""
-    env = os.environ if env is None else env
-    if env.get("STITCH_BOARD") or env.get("STITCH_RUN"):
+    s = Settings.from_env(env, fields=("board", "run"))
+    if s.board or s.run:
         return True
     return bool(model_path) and (Path(str(model_path)) / PULLED_MANIFEST).is_file()
 
@@ -308,9 +307,9 @@ def before_http_server(*args: Any, **kwargs: Any) -> None:
 
     app.add_middleware(StitchMiddleware)
     _ACTIVE = True
+    s = Settings.from_env(fields=("board", "run"))
     log.warning("stitch: following %s (run %s); requests get 409 until the loaded weights are "
-                "proven; GET /stitch/status", os.environ.get("STITCH_BOARD") or "no board",
-                os.environ.get("STITCH_RUN") or "of the manifest")
+                "proven; GET /stitch/status", s.board or "no board", s.run or "of the manifest")
     return None
 
 

@@ -10,7 +10,6 @@ application start-up, where the engine client exists (a plugin runs before it do
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 log = logging.getLogger("stitch.vllm")
@@ -31,14 +30,15 @@ def log_to_engine_log() -> None:
     if source is not None and source.formatter is not None:
         handler.setFormatter(source.formatter)
     handler._stitch_engine_log = True  # type: ignore[attr-defined]
-    level = os.environ.get("STITCH_LOG_LEVEL", "INFO").upper()
+    from stitch_core.settings import Settings, SettingsError
+
     try:
-        handler.setLevel(level)
-        stitch.setLevel(level)
-    except ValueError:  # an unknown level name: say so, keep INFO
-        handler.setLevel(logging.INFO)
-        stitch.setLevel(logging.INFO)
-        log.warning("stitch: STITCH_LOG_LEVEL=%r is not a log level; using INFO", level)
+        level = Settings.read("log_level")
+    except SettingsError as e:  # an unknown level name: say so, keep INFO
+        level = "INFO"
+        log.warning("stitch: %s; using INFO", e)
+    handler.setLevel(level)
+    stitch.setLevel(level)
     stitch.addHandler(handler)
 
 

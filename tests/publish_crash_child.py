@@ -11,7 +11,7 @@ shards), as the first version of any restarted publisher is. It is killed with S
   the file through a pipe that delivers half of it, and the process kills itself while the board
   waits for the rest (the board's own code, with a partial object in flight);
 * `after-object`, `after-objects`, `after-manifest`, `after-latest`: at the failpoint
-  `publish:<STAGE>` of `write_version`, set by the test in $STITCH_FAILPOINT.
+  `publish:<STAGE>` of `write_version`, set by the test in $STITCH_FAILPOINTS.
 
 Exit status 0 means the failpoint never fired (the test fails on that).
 """

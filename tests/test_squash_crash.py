@@ -142,7 +142,7 @@ def test_a_squasher_sigkilled_between_index_delete_and_put_leaks_nothing(publish
     _at(root, latest, 8)
 
     def squash_child(horizon: int, failpoint: str = "") -> int:
-        env = {**os.environ, "STITCH_FAILPOINT": failpoint}
+        env = {**os.environ, "STITCH_FAILPOINTS": failpoint}
         return subprocess.run([sys.executable, "-m", "stitch_core.cli", "squash", str(root),
                                "--run", RUN, "--once", "--horizon", str(horizon),
                                "--cache-dir", str(tmp_path / "cache")], env=env,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+
+from stitch_core.settings import MAX_WAIT, Settings
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
     """`stitch gateway`: serve until interrupted; returns the exit status."""
     from stitch_core.serve.admission import UrlAllowList
-    from stitch_core.serve.gateway import API_KEY_ENV, Gateway, serve
+    from stitch_core.serve.gateway import Gateway, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     url = a.url or f"http://{a.host}:{a.port}"
@@ -22,7 +23,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     gw = Gateway(a.run, a.nats, region=a.region, ttl=a.ttl, gateway_id=a.id, url=url,
                  max_wait=a.max_wait, upstream_timeout=a.upstream_timeout,
                  engine_url_allow=allow, max_engines=a.max_engines,
-                 api_key=a.api_key or os.environ.get(API_KEY_ENV) or None)
+                 api_key=a.api_key or Settings.read("gateway_api_key"))
     serve(gw, a.host, a.port)
     return 0
 
@@ -35,11 +36,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--run", required=True)
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--region", default=os.environ.get("STITCH_REGION") or None,
+    g.add_argument("--region", default=Settings.read("region"),
                    help="try engines of this region first (default $STITCH_REGION)")
     g.add_argument("--ttl", type=float, default=10.0,
                    help="seconds an engine stays routable after its last heartbeat")
-    g.add_argument("--max-wait", type=float, default=600.0,
+    g.add_argument("--max-wait", type=float, default=MAX_WAIT,
                    help="cap on X-Stitch-Wait (seconds)")
     g.add_argument("--id", help="gateway id in heartbeats (default gw-<host>-<pid>)")
     g.add_argument("--url", help="URL advertised in its heartbeat (default http://HOST:PORT)")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
+from stitch_core.settings import Settings
 from stitch_core.versions.trust import TrustSet, new_key
 
 
 def trust_set(a: argparse.Namespace) -> TrustSet | None:
     """The trust set of a command: its `--trust` options, else $STITCH_TRUST, else None."""
-    specs = getattr(a, "trust", None) or os.environ.get("STITCH_TRUST") or None
+    specs = getattr(a, "trust", None) or Settings.read("trust")
     ts = TrustSet.parse(specs)
     return ts if ts else None
 

@@ -59,6 +59,7 @@ from stitch_core.format.patch import (
     decode_chunk,
 )
 from stitch_core.format.stp import PatchError, PatchReader
+from stitch_core.settings import APPLY_MEMORY, LOAD_TIMEOUT, RPC_TIMEOUT
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.store import RefusedVersion, Step, check_signed
 from stitch_core.versions.trust import TrustSet
@@ -67,7 +68,7 @@ log = logging.getLogger("stitch.engine")
 # transient bytes the API server holds per changed element while it decodes a batch (positions,
 # old and new bits at int64 and at the tensor's width, the ranks' replies, the RPC copies)
 APPLY_BYTES_PER_ELEMENT = 48
-DEFAULT_APPLY_MEMORY = 64 << 20  # decoded per batch at most (a patch of any size)
+DEFAULT_APPLY_MEMORY = APPLY_MEMORY  # decoded per batch at most (a patch of any size)
 # the adapter's transport: one typed request to every rank, one reply per rank (rank order)
 Rpc = Callable[[rpc.Request], Awaitable[list[Any]]]
 Hook = Callable[[], Awaitable[Any]]
@@ -102,7 +103,7 @@ class Coordinator:
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
                  metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
-                 rpc_timeout: float | None = 300.0, load_timeout: float | None = 3600.0,
+                 rpc_timeout: float | None = RPC_TIMEOUT, load_timeout: float | None = LOAD_TIMEOUT,
                  apply_memory: int = DEFAULT_APPLY_MEMORY):
         self.rpc = rpc
         # bytes an apply decodes at a time: a patch over it is applied in batches, each one

@@ -18,8 +18,9 @@ and does what it was armed with:
 * ``"exit"``: `os._exit` at once: the rank process is gone mid-write (no restore, no reply).
 
 Arming (`rpc.Arm`, sent to every rank; the one named by `rank`, or all for None, takes it) is
-refused unless the rank's process has ``STITCH_FAILPOINTS=1`` in its environment, so a
-production engine can never be made to fail by a request. Each armed point fires `times` times,
+refused unless the rank's process has ``STITCH_FAILPOINTS=1`` in its environment
+(`stitch_core.failpoints`, the one failpoint facility, also holds the publisher's kill points),
+so a production engine can never be made to fail by a request. Each armed point fires `times` times,
 then disarms itself; ``action="off"`` disarms every point of the rank.
 """
 
@@ -33,10 +34,10 @@ from typing import Any
 
 from stitch_core.engine import rpc
 from stitch_core.errors import StitchError
+from stitch_core.failpoints import ENV, enabled
 
 log = logging.getLogger("stitch.engine")
 
-ENV = "STITCH_FAILPOINTS"
 POINTS = ("write", "written")
 ACTIONS = ("raise", "hang", "exit", "off")
 EXIT_CODE = 70
@@ -44,11 +45,6 @@ EXIT_CODE = 70
 
 class FailpointError(StitchError, RuntimeError):
     """Raised by an armed failpoint (and for an arming that is refused or malformed)."""
-
-
-def enabled(env: dict[str, str] | None = None) -> bool:
-    """Whether failpoints may be armed in this process (STITCH_FAILPOINTS=1)."""
-    return (os.environ if env is None else env).get(ENV, "").strip() == "1"
 
 
 @dataclass

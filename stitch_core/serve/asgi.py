@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from stitch_core.serve import protocol
 from stitch_core.serve.gate import NotReady, Ticket, VersionGate
 from stitch_core.serve.routes import WEBSOCKET, Dialect, Route, RouteTable
+from stitch_core.settings import Settings
 
 log = logging.getLogger("stitch.asgi")
 
@@ -47,7 +47,6 @@ _COPIED = ("id", "object", "created", "model", "request_id")
 _NDJSON = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 
 
-MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers (to salt it), at most
 
 
 class BodyTooLarge(ValueError):
@@ -159,9 +158,8 @@ class StitchASGI:
         self.app = app
         self._gate = gate
         self.salt = salt
-        env = os.environ.get("STITCH_MAX_BODY_BYTES", "")
         self.max_body = max_body if max_body is not None else \
-            (int(env) if env.isdigit() else MAX_BODY_BYTES)
+            Settings.read("max_body_bytes")  # STITCH_MAX_BODY_BYTES, e.g. 64MiB
         self.status_path = status_path
         self.set_routes([*routes, *(Route(p) for p in paths)])
         self.set_guard(None)

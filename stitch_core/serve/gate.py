@@ -39,6 +39,7 @@ from typing import Literal
 from stitch_core.errors import StitchError
 from stitch_core.serve import protocol
 from stitch_core.serve.metrics import Metrics
+from stitch_core.settings import DRAIN_TIMEOUT
 
 log = logging.getLogger("stitch.gate")
 
@@ -98,7 +99,7 @@ class ApplyHandle:
 class VersionGate:
     """Admission control and version accounting of one engine serving `run` (see the module doc)."""
 
-    def __init__(self, run: str, *, mode: Mode = "immediate", drain_timeout: float = 30.0,
+    def __init__(self, run: str, *, mode: Mode = "immediate", drain_timeout: float = DRAIN_TIMEOUT,
                  max_wait: float = protocol.DEFAULT_MAX_WAIT, metrics: Metrics | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

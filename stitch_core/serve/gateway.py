@@ -32,7 +32,7 @@ import httpx
 
 from stitch_core.serve import protocol, proxy
 from stitch_core.serve.admission import Admission, HeartbeatRejected, UrlAllowList, parse_heartbeat
-from stitch_core.serve.asgi import MAX_BODY_BYTES, Receive, Scope, Send, send_json
+from stitch_core.serve.asgi import Receive, Scope, Send, send_json
 from stitch_core.serve.proxy import ClientGone
 from stitch_core.serve.routing import (
     DEFAULT_MAX_ENGINES,
@@ -42,6 +42,7 @@ from stitch_core.serve.routing import (
     GatewayStatus,
     metrics_text,
 )
+from stitch_core.settings import MAX_BODY_BYTES, env_name
 from stitch_core.versions import announce
 from stitch_core.versions.manifest import Heartbeat, check_run
 
@@ -52,7 +53,7 @@ ENGINE_HEADER = "X-Stitch-Engine"
 STATUS_PATH = "/stitch/gateway"
 METRICS_PATH = "/metrics"
 HEALTH_PATH = "/health"
-API_KEY_ENV = "STITCH_GATEWAY_API_KEY"
+API_KEY_ENV = env_name("gateway_api_key")  # named in messages; read by the CLI (Settings)
 MAX_ATTEMPTS = 4  # engines tried per request (409s, failed connections, timeouts)
 DEFAULT_UPSTREAM_TIMEOUT = 300.0  # seconds for an engine's response head (docs/gateway.md)
 _ENGINE = ENGINE_HEADER.lower().encode()

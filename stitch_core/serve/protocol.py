@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from stitch_core.errors import StitchError
+from stitch_core.settings import MAX_WAIT
 from stitch_core.versions.state import EngineState, engine_state, lag  # noqa: F401 (re-exported)
 
 # Request headers (HTTP header names are case-insensitive; ASGI gives them lower-case).
@@ -42,7 +43,7 @@ BAD_REQUEST_TYPE = "stitch_bad_request"
 
 DEFAULT_PATHS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 STATUS_PATH = "/stitch/status"
-DEFAULT_MAX_WAIT = 600.0
+DEFAULT_MAX_WAIT = MAX_WAIT  # STITCH_MAX_WAIT's default
 SALT_PREFIX = "stitch"
 
 Reason = Literal["not_ready", "behind", "passed", "draining", "applying", "version_changed",

@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import inspect
 import logging
-import os
 import re
 import ssl
 import time
@@ -49,6 +48,7 @@ from nats.js import JetStreamContext, api
 from pydantic import BaseModel, ConfigDict
 
 from stitch_core.errors import StitchError
+from stitch_core.settings import PREFIX, Settings, env_name
 from stitch_core.versions.manifest import (
     MAX_ANNOUNCEMENT_BYTES,
     Announcement,
@@ -65,10 +65,9 @@ MAX_HEARTBEAT_BYTES = 64 << 10  # a heartbeat is a few hundred bytes; readers re
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _STREAM_IN_USE = 10058  # JSStreamNameExistErr: same name, other config
 
-ENV_CREDS = "STITCH_NATS_CREDS"
-ENV_TLS_CA = "STITCH_NATS_TLS_CA"
-ENV_TLS_CERT = "STITCH_NATS_TLS_CERT"
-ENV_TLS_KEY = "STITCH_NATS_TLS_KEY"
+# the variables of the NATS client's files (Settings fields, read when a client connects)
+ENV_CREDS, ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY = (
+    env_name(f) for f in ("nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"))
 PERMISSIONS_VIOLATION = "permissions violation"
 
 Callback = Callable[[Announcement], Awaitable[None] | None]
@@ -138,7 +137,7 @@ async def _refusals(x: JS, what: str) -> AsyncIterator[None]:
 
 
 def _pem_file(var: str) -> str | None:
-    value = os.environ.get(var)
+    value = Settings.read(var.removeprefix(PREFIX).lower())
     if not value:
         return None
     path = Path(value).expanduser()

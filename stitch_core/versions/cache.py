@@ -42,13 +42,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stitch_core.settings import CACHE_MAX_BYTES
 from stitch_core.versions.manifest import RUN_RE, check_run
 
 log = logging.getLogger("stitch.cache")
 
 # one bf16 snapshot of an 8B model (16 GB) plus a few GB of patches; a bigger model's snapshot in
 # use is never removed, so there the cache holds what is in use and little else
-DEFAULT_MAX_BYTES = 20 << 30
+DEFAULT_MAX_BYTES = CACHE_MAX_BYTES  # STITCH_CACHE_MAX_BYTES's default
 LOCK_NAME = ".lock"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply as apply_patch
 from stitch_core.format.stp import PatchReader
+from stitch_core.settings import RECONCILE_INTERVAL
 from stitch_core.versions.board import Board, open_board
 from stitch_core.versions.board.base import NotFound
 from stitch_core.versions.cache import DEFAULT_MAX_BYTES, CacheUse, prune
@@ -70,7 +71,8 @@ class Follower:
 
     def __init__(self, board: str | Board, run: str, apply: ApplyFn, *,
                  version: int | None = None, nats: str | None = None,
-                 cache_dir: str | os.PathLike | None = None, reconcile_interval: float = 5.0,
+                 cache_dir: str | os.PathLike | None = None,
+                 reconcile_interval: float = RECONCILE_INTERVAL,
                  heartbeat_interval: float = 2.0, engine_id: str | None = None,
                  url: str | None = None, region: str | None = None, max_chain: int = 64,
                  on_latest: Callable[[int], None] | None = None,

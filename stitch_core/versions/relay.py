@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from stitch_core.errors import StitchError
+from stitch_core.settings import Settings, env_name
 from stitch_core.versions.relay_nginx import (
     DEFAULT_MAX_CACHE,
     RelayConfigError,
@@ -35,7 +36,7 @@ from stitch_core.versions.relay_nginx import (
     nginx_config,
 )
 
-ENV_NGINX = "STITCH_NGINX"
+ENV_NGINX = env_name("nginx")
 __all__ = ["DEFAULT_MAX_CACHE", "NginxRelay", "RelayConfigError", "RelayError", "find_nginx",
            "hub_config", "mirror_board", "nginx_config", "region_config", "run_relay"]
 
@@ -46,7 +47,7 @@ class RelayError(StitchError, RuntimeError):
 
 def find_nginx() -> str:
     """The nginx binary: $STITCH_NGINX, PATH, /usr/sbin/nginx."""
-    for cand in (os.environ.get(ENV_NGINX), shutil.which("nginx"), "/usr/sbin/nginx"):
+    for cand in (Settings.read("nginx"), shutil.which("nginx"), "/usr/sbin/nginx"):
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
     raise RelayError("nginx not found: install it (Debian/Ubuntu: apt-get install nginx-light; "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from stitch_core.failpoints import kill_point
 from stitch_core.versions.board.base import Board, NotFound
 from stitch_core.versions.manifest import (
     SPAN_INDEX,
@@ -17,7 +18,6 @@ from stitch_core.versions.manifest import (
     span_object,
     version_dir,
 )
-from stitch_core.versions.store import failpoint
 
 
 async def span_files(board: Board, run: str, version: int) -> list[str] | None:
@@ -84,7 +84,7 @@ async def write_span_index(board: Board, run: str, version: int,
     if have is not None or (listed is not None and SPAN_INDEX in listed) or \
             await board.exists(key):
         await board.delete(key)
-        failpoint("squash:after-index-delete")
+        kill_point("squash:after-index-delete")
     if want:
         await board.put(key, SpanIndex(run=run, version=version, bases=want)
                         .model_dump_json().encode())

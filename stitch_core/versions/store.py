@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
-import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -16,6 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import ValidationError
 
+from stitch_core.failpoints import kill_point
 from stitch_core.versions.board.base import BadCopy, Board, BoardError, NotFound, TooLarge
 from stitch_core.versions.manifest import (
     MAX_MANIFEST_BYTES,
@@ -76,21 +75,6 @@ def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
                      role=role)
 
 
-FAILPOINT_ENV = "STITCH_FAILPOINT"
-
-
-def failpoint(name: str) -> None:
-    """A test facility: SIGKILL this process at the point `name` of a publish if
-    $STITCH_FAILPOINT is `name` (unset, as in production: one environment lookup, nothing else).
-    The points of `write_version`: `publish:after-object` (the first object stored, the others
-    not), `publish:after-objects`, `publish:after-manifest` and `publish:after-latest`
-    (tests/test_publish_crash.py kills a real publisher at each); of `span_index.write_span_index`:
-    `squash:after-index-delete` (tests/test_squash_crash.py kills a real squasher there)."""
-    if os.environ.get(FAILPOINT_ENV) == name:
-        log.warning("failpoint %s: killing this process (pid %d)", name, os.getpid())
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 async def write_version(board: Board, manifest: Manifest, files: dict[str, Path],
                         expected_latest: int | None, signer: SigningKey | None = None) -> None:
     """Upload objects, then the manifest, then CAS `latest` (each `put` is durable when it
@@ -102,17 +86,17 @@ async def write_version(board: Board, manifest: Manifest, files: dict[str, Path]
     vdir = version_dir(manifest.run, manifest.version)
     for ref in manifest.objects:
         await board.put(f"{vdir}/{ref.path}", files[ref.path])
-        failpoint("publish:after-object")
-    failpoint("publish:after-objects")
+        kill_point("publish:after-object")
+    kill_point("publish:after-objects")
     await board.put(manifest_key(manifest.run, manifest.version),
                     manifest.model_dump_json(indent=1).encode())
-    failpoint("publish:after-manifest")
+    kill_point("publish:after-manifest")
     latest = Latest(run=manifest.run, version=manifest.version, kind=manifest.kind,
                     updated=now())
     if signer is not None:
         latest = signer.sign(latest, "latest")
     await board.move_latest(manifest.run, expected_latest, latest)
-    failpoint("publish:after-latest")
+    kill_point("publish:after-latest")
 
 
 def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from stitch_core.settings import Settings, env_name
 from stitch_core.versions.board.base import (
     BadCopy,
     Board,
@@ -48,7 +48,7 @@ from stitch_core.versions.manifest import Latest
 log = logging.getLogger("stitch.board.fallback")
 # the value of a refresh request's header, where the region's relay was given a refresh token
 # (`stitch relay http --refresh-token-file`); without it the header says "1"
-ENV_REFRESH_TOKEN = "STITCH_RELAY_REFRESH_TOKEN"
+ENV_REFRESH_TOKEN = env_name("relay_refresh_token")
 T = TypeVar("T")
 
 
@@ -242,7 +242,7 @@ def open_fallback(urls: list[str], open_one: Callable[[str], Board], *,
         if isinstance(b, HttpBoard):
             import httpx
 
-            b.refresh_token = b.refresh_token or os.environ.get(ENV_REFRESH_TOKEN) or None
+            b.refresh_token = b.refresh_token or Settings.read("relay_refresh_token")
             b.attempts = max(1, min(b.attempts, relay_attempts))
             b.timeout = httpx.Timeout(b.timeout.read or 30.0, connect=2.0)
     # an HTTP relay passes `latest` through to the origin (never cached: docs/relays.md), so

@@ -14,7 +14,9 @@ from stitch_core.format import dtypes
 from stitch_core.format.views import project
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.store import list_manifests
-from stitch_trainer.analyze import GROUPS, analyze_training, group_of, ulp
+from stitch_trainer.analyze.estimate import ulp
+from stitch_trainer.analyze.experiment import analyze_training
+from stitch_trainer.analyze.groups import GROUPS, group_of
 from stitch_trainer.publisher import Publisher
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

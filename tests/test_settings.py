@@ -113,13 +113,12 @@ def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
         target = None
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "setdefault") and \
-                    isinstance(f.value, ast.Attribute) and f.value.attr == "environ":
-                target = node.args[0] if node.args else None
-            elif isinstance(f, ast.Attribute) and f.attr == "getenv":
-                target = node.args[0] if node.args else None
-            else:
+            reads = isinstance(f, ast.Attribute) and (f.attr == "getenv" or (
+                f.attr in ("get", "pop", "setdefault") and isinstance(f.value, ast.Attribute)
+                and f.value.attr == "environ"))
+            if not reads:
                 continue
+            target = node.args[0] if node.args else None
         elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and \
                 node.value.attr == "environ":
             target = node.slice

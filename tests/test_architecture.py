@@ -127,3 +127,19 @@ def test_cli_verbs_from_the_trainer_come_through_entry_points():
     verbs = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
     assert {"diff", "apply", "inspect", "up", "pull", "versions", "status", "board",
             "publish", "analyze"} <= set(verbs)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A `_name` is its module's own business: no shipped module imports one from another."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = []
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stitch"):
+                    found += [f"{f.relative_to(root)}: {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_")]
+    assert found == []

@@ -105,7 +105,7 @@ def scale_name(weight_name: str, granularity: Granularity | None) -> str:
     raise ValueError(f"no scale for granularity {granularity!r}")
 
 
-def _group_amax(a: torch.Tensor, view: View) -> torch.Tensor:
+def group_amax(a: torch.Tensor, view: View) -> torch.Tensor:
     """Max of ``a`` (a 2-D tensor of |w|) per scale group, in the scale tensor's shape."""
     if view.granularity == "tensor":
         return a.amax().reshape(1)
@@ -129,7 +129,7 @@ def _quantize(
     w: torch.Tensor, view: View, prev: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w32 = w.to(torch.float32).contiguous()
-    amax = _group_amax(w32.abs(), view)
+    amax = group_amax(w32.abs(), view)
     scale = amax.clamp_min(TINY) * (1 + view.headroom) / FP8_MAX
     if prev is not None and prev.shape == scale.shape:
         prev = prev.to(device=scale.device, dtype=torch.float32)

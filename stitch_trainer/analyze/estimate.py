@@ -17,8 +17,8 @@ from stitch_core.format.views import (
     FP8_DTYPE,
     FP8_MAX,
     View,
-    _group_amax,
     expand_scale,
+    group_amax,
     scale_name,
 )
 
@@ -45,7 +45,7 @@ def predict(
         sname = scale_name(name, v.granularity)
         scale = prev_view[sname]
         delta = delta / expand_scale(scale, served.shape, v)
-        amax = _group_amax(new.float().abs(), v)  # a scale moves only when its group would clip
+        amax = group_amax(new.float().abs(), v)  # a scale moves only when its group would clip
         moved = ~((scale > 0) & scale.isfinite() & (amax / scale <= FP8_MAX))
         out[sname] = (int(moved.sum()), float(moved.sum()))
     u = ulp(served.float(), served.dtype)

@@ -269,7 +269,8 @@ async def run(a: argparse.Namespace) -> dict:
     import torch
     from fleet_load import make_model
 
-    from stitch_core.versions.follower import Follower, MemoryReplica
+    from stitch_core.versions.follower import Follower
+    from stitch_core.versions.memory_replica import MemoryReplica
     from stitch_core.versions.natsserver import NatsServer, find_nats_server
     from stitch_core.versions.relay import NginxRelay, hub_config, mirror_board, region_config
     from stitch_trainer.publisher import Publisher

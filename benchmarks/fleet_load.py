@@ -167,7 +167,8 @@ async def run(a: argparse.Namespace) -> dict:
 
     from stitch_core.format import fingerprint as fpr
     from stitch_core.format.views import project
-    from stitch_core.versions.follower import Follower, MemoryReplica
+    from stitch_core.versions.follower import Follower
+    from stitch_core.versions.memory_replica import MemoryReplica
     from stitch_core.versions.natsserver import NatsServer
     from stitch_trainer.publisher import Publisher
 

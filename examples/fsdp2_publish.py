@@ -87,8 +87,9 @@ def worker(rank: int, port: int, work: Path, steps: int, view: str) -> None:
 
 async def follow(work: Path) -> None:
     from stitch_core.versions.board import LocalBoard
-    from stitch_core.versions.follower import Follower, MemoryReplica
+    from stitch_core.versions.follower import Follower
     from stitch_core.versions.materialize import pull
+    from stitch_core.versions.memory_replica import MemoryReplica
     from stitch_core.versions.store import list_manifests
 
     board = LocalBoard(work / "board")

@@ -31,8 +31,9 @@ from stitch_core.versions.cache import (
     prune,
     version_dirs,
 )
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import latest_key, manifest_key
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.retention import gc
 from stitch_core.versions.store import list_manifests
 from stitch_core.versions.trust import TrustSet, new_key

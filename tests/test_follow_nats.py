@@ -18,7 +18,8 @@ import torch
 from stitch_core.format import fingerprint as fpr
 from stitch_core.versions.announce import fleet
 from stitch_core.versions.board.serve import serve
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_trainer.publisher import Publisher
 
 from .test_versions import TinyLM, bf16_view

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.natsserver import NatsServer
 from stitch_dev.ports import free_port
 

@@ -350,7 +350,8 @@ def test_pull_reconstructs_last_version(trained, tmp_path):
 
 def test_follower_follows_every_version(trained, tmp_path):
     from stitch_core.versions.board import LocalBoard
-    from stitch_core.versions.follower import Follower, MemoryReplica
+    from stitch_core.versions.follower import Follower
+    from stitch_core.versions.memory_replica import MemoryReplica
 
     work, _ = trained
 

@@ -20,8 +20,9 @@ from stitch_core.serve.gate import VersionGate
 from stitch_core.serve.gateway import Gateway
 from stitch_core.serve.routing import GatewayStatus
 from stitch_core.versions.announce import connect, ensure_streams, gateways, publish_heartbeat
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Heartbeat
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_dev.ports import free_port
 
 from .test_follow_nats import Trainer

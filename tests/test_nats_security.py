@@ -47,8 +47,9 @@ from stitch_core.versions.announce import (
 )
 from stitch_core.versions.board.base import BoardError
 from stitch_core.versions.board.nats import NatsBoard
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Announcement, Heartbeat, Latest
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.natsserver import NatsServer
 
 from .test_follow_nats import Trainer, same

@@ -23,8 +23,9 @@ from stitch_core.cli.main import main as stitch
 from stitch_core.failpoints import ENV as FAILPOINT_ENV
 from stitch_core.format import fingerprint as fpr
 from stitch_core.versions.board import LocalBoard, open_board
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import latest_key, manifest_key, version_dir
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.natsserver import NatsServer, dev_server
 from stitch_trainer.publisher import Publisher
 from tests.publish_crash_child import MAX_SHARD_BYTES, weights

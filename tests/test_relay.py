@@ -22,7 +22,8 @@ from stitch_core.versions.board import open_board
 from stitch_core.versions.board.fallback import FallbackBoard
 from stitch_core.versions.board.http import HttpBoard
 from stitch_core.versions.board.serve import BoardHandler, serve
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.relay import NginxRelay, find_nginx, nginx_config
 from stitch_dev.ports import free_port
 

@@ -21,7 +21,8 @@ import torch
 from stitch_core.versions.board.fallback import FallbackBoard
 from stitch_core.versions.board.http import HttpBoard
 from stitch_core.versions.board.serve import serve
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.relay import NginxRelay, RelayConfigError, find_nginx
 from stitch_core.versions.trust import new_key
 from stitch_dev.ports import free_port

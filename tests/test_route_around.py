@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from stitch_core.versions import follower as follower_mod
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_trainer.publisher import Publisher
 
 RUN = "bad-object"

@@ -15,8 +15,9 @@ import torch
 
 from stitch_core.format.patch import diff
 from stitch_core.versions.board import LocalBoard
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import span_key
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.span_index import span_bases
 from stitch_core.versions.squash import Squasher
 from stitch_core.versions.store import path_bytes, plan, read_span

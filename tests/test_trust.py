@@ -24,8 +24,9 @@ import torch
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import diff
 from stitch_core.versions.board import LocalBoard
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Latest, Manifest, manifest_key
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.store import (
     RefusedVersion,
     VersionError,

@@ -12,9 +12,10 @@ import torch
 
 from stitch_core.format import fingerprint as fpr
 from stitch_core.versions.board import LatestConflict, LocalBoard, NotFound
-from stitch_core.versions.follower import Follower, MemoryReplica
+from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Latest, manifest_key
 from stitch_core.versions.materialize import pull
+from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.store import VersionError, list_manifests, now, plan, read_manifest
 from stitch_trainer.publisher import Publisher
 

@@ -81,7 +81,7 @@ class EngineFollower:
 
     async def start(self) -> None:
         """Create the gate at once (requests get 409 meanwhile), then prove and follow."""
-        from stitch_core.engine.coordinator import read_pulled_manifest
+        from stitch_core.engine.proof import read_pulled_manifest
         from stitch_core.serve.gate import VersionGate
         from stitch_core.serve.metrics import Metrics, default_registry
 

@@ -14,8 +14,9 @@ from collections.abc import Callable
 import pytest
 
 from stitch_core.engine import rpc as rpc_
-from stitch_core.engine.coordinator import Coordinator, EngineStateError
+from stitch_core.engine.coordinator import Coordinator
 from stitch_core.engine.failpoints import FailpointError
+from stitch_core.engine.proof import EngineStateError
 from stitch_core.engine.replica import RankReplica
 from stitch_core.serve.gate import VersionGate
 from stitch_core.versions.board import LocalBoard

@@ -46,7 +46,8 @@ PUBLIC = {
     "stitch_core.versions.follower": ["Follower"],
     "stitch_core.versions.memory_replica": ["MemoryReplica"],
     "stitch_core.versions.natsserver": ["NatsServer"],
-    "stitch_core.engine.coordinator": ["Coordinator", "EngineStateError"],
+    "stitch_core.engine.coordinator": ["Coordinator"],
+    "stitch_core.engine.proof": ["HeldState", "EngineStateError", "read_pulled_manifest"],
     "stitch_core.engine.replica": ["RankReplica", "ReplicaError"],
     "stitch_core.engine.rpc": ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "GatherReply",
                                "Held", "Write", "WriteReply", "Undo", "Commit", "Done", "Load",
@@ -110,7 +111,7 @@ def test_no_shims_and_one_owner_for_the_version():
 
 def test_every_error_is_a_stitch_error_and_keeps_its_builtin_base():
     from stitch_core import StitchError
-    from stitch_core.engine.coordinator import EngineStateError
+    from stitch_core.engine.proof import EngineStateError
     from stitch_core.format.codec import CodecError
     from stitch_core.format.stp import PatchError
     from stitch_core.versions.board import BoardError, NotFound

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from stitch_core.engine import rpc as rpc_
-from stitch_core.engine.coordinator import Coordinator, EngineStateError
+from stitch_core.engine.coordinator import Coordinator
+from stitch_core.engine.proof import EngineStateError
 from stitch_core.engine.replica import RankReplica
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.stp import PatchError

@@ -5,7 +5,9 @@ Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` 
 `pause`/`resume`
 (hold engine steps) and `after_apply(version)` (called while steps are still held, right after a
 version is in place: reset the prefix cache, tell the engine its weight version) hooks. It is the
-`apply` callback of a `stitch_core.versions.follower.Follower`.
+`apply` callback of a `stitch_core.versions.follower.Follower`. What the ranks hold, and its
+proof (start-up check, `verify`), is `stitch_core.engine.proof.HeldState`, which `Coordinator`
+extends with the apply transaction here.
 
 Why the coordinator, not every rank, decodes: ULP values are entropy-coded under contexts taken
 from the *old* value of each element, so a rank holding a slice of a tensor cannot decode a chunk
@@ -18,16 +20,8 @@ ranks asked to write (engine steps held); each rank reads back what it wrote and
 fingerprint delta over every copy it holds, and the sum over ranks must equal multiplicity x the
 change in the manifest fingerprint, or every rank undoes.
 
-Start-up: the ranks learn their layout from the model's own loaders and report full sums; a
-tensor whose sums do not add up to multiplicity x its manifest fingerprint is not placed exactly
-by the layout (a loader or post-load step that transforms values). So is an engine parameter that
-no loader writes (computed from other weights after loading, e.g. MLA's absorbed matrices): a
-patch could not keep it in step. Either refuses the start, naming them, unless the loader
-fallback is opted into: then a transformed tensor goes through the engine's own loader with the
-reconstructed tensor (kept on the host here), unverified, and both are logged by name.
-
-Long on purpose (about 470 lines): one apply is one transaction (gather, decode, prove, write,
-check, commit or undo); splitting its steps over modules would hide the order that makes it safe.
+Long on purpose (about 450 lines): one apply is one transaction (check, gather, decode, write,
+prove, commit or undo); splitting its steps over modules would hide the order that makes it safe.
 """
 
 from __future__ import annotations
@@ -44,12 +38,10 @@ import numpy as np
 import torch
 
 from stitch_core.engine import rpc
-from stitch_core.engine.layout import read_safetensors_shapes
+from stitch_core.engine.proof import EngineStateError, HeldState, Rpc, load_host
 from stitch_core.engine.rpc import index_dtype
-from stitch_core.errors import StitchError
 from stitch_core.format import codec, dtypes
 from stitch_core.format import fingerprint as fpr
-from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.format.patch import (
     PatchSet,
     apply_entry,
@@ -60,44 +52,19 @@ from stitch_core.format.patch import (
 )
 from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.settings import APPLY_MEMORY, LOAD_TIMEOUT, RPC_TIMEOUT
-from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.store import RefusedVersion, Step, check_signed
-from stitch_core.versions.trust import TrustSet
+from stitch_core.versions.manifest import Manifest
+from stitch_core.versions.store import Step
 
 log = logging.getLogger("stitch.engine")
 # transient bytes the API server holds per changed element while it decodes a batch (positions,
 # old and new bits at int64 and at the tensor's width, the ranks' replies, the RPC copies)
 APPLY_BYTES_PER_ELEMENT = 48
 DEFAULT_APPLY_MEMORY = APPLY_MEMORY  # decoded per batch at most (a patch of any size)
-# the adapter's transport: one typed request to every rank, one reply per rank (rank order)
-Rpc = Callable[[rpc.Request], Awaitable[list[Any]]]
 Hook = Callable[[], Awaitable[Any]]
 VersionHook = Callable[[int], Awaitable[Any]]
 
 
-class EngineStateError(StitchError, RuntimeError):
-    """The engine's weights could not be proven; it must not serve until recovered."""
-
-
-def read_pulled_manifest(model_dir: str | Path) -> Manifest | None:
-    """The manifest `stitch pull` left in `model_dir`, None if it has none."""
-    p = Path(model_dir) / PULLED_MANIFEST
-    if not p.exists():
-        return None
-    return Manifest.model_validate_json(p.read_text())
-
-
-def _files_fingerprints(model_dir: Path, names: list[str]) -> dict[str, int]:
-    ck = open_checkpoint(model_dir)
-    return {n: fpr.fingerprint(n, ck.load(n)) for n in names}
-
-
-def _load_host(model_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    ck = open_checkpoint(model_dir)
-    return {n: ck.load(n) for n in ck.names() if n in names}
-
-
-class Coordinator:
+class Coordinator(HeldState):
     """Drives one engine's ranks through start-up and each apply, and proves the result."""
 
     def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
@@ -105,31 +72,13 @@ class Coordinator:
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
                  rpc_timeout: float | None = RPC_TIMEOUT, load_timeout: float | None = LOAD_TIMEOUT,
                  apply_memory: int = DEFAULT_APPLY_MEMORY):
-        self.rpc = rpc
+        super().__init__(rpc, run=run, gate=gate, metrics=metrics,
+                         loader_fallback=loader_fallback, rpc_timeout=rpc_timeout,
+                         load_timeout=load_timeout)
         # bytes an apply decodes at a time: a patch over it is applied in batches, each one
         # gathered, decoded and written inside the pause (one transaction, one undo)
         self.apply_memory = int(apply_memory)
-        # every rank RPC is bounded: a hung rank fails the apply (then undone and proven, or
-        # the engine stops serving) instead of holding the engine forever
-        self.rpc_timeout = rpc_timeout
-        self.load_timeout = load_timeout  # start-up layout learning and snapshot loads
-        # tensors the layout map does not place exactly: refuse (default), or update them through
-        # the engine's own loader, which nothing can read back to verify
-        self.loader_fallback = loader_fallback
-        self.run = run
-        self.gate = gate
-        self.metrics = metrics
         self.pause, self.resume, self.after_apply = pause, resume, after_apply
-        self.version: int | None = None
-        self.fps: dict[str, int] = {}  # verified fingerprints of the version the engine holds
-        self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-        self.mult: dict[str, int] = {}  # copies of each element across all ranks
-        self.fallback: dict[str, torch.Tensor] = {}  # tensors applied through the engine loader
-        self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
-        self.derived: list[str] = []  # engine params no loader writes (computed after loading)
-        self.derived_copies: dict[str, int] = {}  # kernels' copies kept in step, by kind
-        self.ranks = 0
-        self.check: dict[str, Any] = {"ok": None}
         self.last_apply: dict[str, Any] | None = None
         # the last apply or load that failed once a rank may have written: undone and proven?
         self.last_abort: dict[str, Any] | None = None
@@ -139,29 +88,6 @@ class Coordinator:
         # requests already admitted stay frozen (never served from those weights) until a
         # snapshot load is proven and resumes them
         self.steps_held = False
-        self._lock = asyncio.Lock()
-
-    async def _call(self, req: rpc.Request, timeout: float | None = None) -> list[Any]:
-        """`rpc(req)` on every rank, bounded by `timeout` (default `rpc_timeout`; EngineStateError
-        when it runs out)."""
-        limit = timeout if timeout is not None else self.rpc_timeout
-        try:
-            return await asyncio.wait_for(self.rpc(req), limit)
-        except TimeoutError:
-            raise EngineStateError(f"{type(req).__name__}: no answer from every rank in "
-                                   f"{limit:g} s") from None
-
-    def _mismatched(self, replies: list[rpc.SumsReply], fps: dict[str, int]) -> list[str]:
-        """Tensors whose summed per-copy fingerprints differ from `fps`, and stale copies."""
-        return [n for n, k in self.mult.items()
-                if sum(r.sums[n] for r in replies) & fpr.MASK64 != (k * fps[n]) & fpr.MASK64
-                ] + _stale(replies)
-
-    def stop_serving(self, reason: str) -> None:
-        """Hold no version from now on (requests get not_ready) until one is proven again."""
-        log.error("stitch: %s; not serving v%s any more", reason, self.version)
-        self.check = {"ok": False, "at": time.time(), "kind": "stopped", "reason": reason}
-        self._set_version(None)
 
     async def _abort(self, aid: str, version: int, err: BaseException) -> None:
         """An apply of `version` failed once a rank may have written: undo it on every rank and
@@ -170,8 +96,8 @@ class Coordinator:
         engine steps stay held, see `_resume`), and the follower reloads a snapshot through the
         verified path (it reads the held version, None, from here)."""
         try:
-            await self._call(rpc.Undo(aid))
-            bad = self._mismatched(await self._call(rpc.Sums(sorted(self.mult))), self.fps)
+            await self.call_ranks(rpc.Undo(aid))
+            bad = self.mismatched(await self.call_ranks(rpc.Sums(sorted(self.mult))), self.fps)
         except Exception as e:  # noqa: BLE001 - any failure here means: not provable
             bad = [f"{type(e).__name__}: {e}"]
         self.last_abort = {"version": version, "error": f"{type(err).__name__}: {err}",
@@ -184,7 +110,7 @@ class Coordinator:
                   "not serving until a snapshot is loaded", version, err, self.version,
                   ", ".join(bad[:5]))
         self.check = {"ok": False, "at": time.time(), "kind": "abort", "mismatched": bad[:20]}
-        self._set_version(None)
+        self.set_version(None)
         raise EngineStateError(f"v{version} failed and the engine's weights could not be proven "
                                f"afterwards: {bad[0]}") from err
 
@@ -212,118 +138,6 @@ class Coordinator:
         await self.resume()
         self.steps_held = False
 
-    # ------------------------------------------------------------ start-up
-
-    async def start(self, model_dir: str | Path, trust: TrustSet | None = None) -> int | None:
-        """Learn layouts on every rank and prove the loaded weights; returns the held version.
-        With a trust set the directory must carry a manifest signed by one of its keys (what the
-        ranks hold is then proven against that manifest's fingerprints)."""
-        model_dir = Path(model_dir)
-        m = read_pulled_manifest(model_dir)
-        if trust:
-            if m is None:
-                raise EngineStateError(
-                    f"a trust set is configured but {model_dir} has no {PULLED_MANIFEST} (start "
-                    "from `stitch pull --trust ...` output): nothing signed to prove it against")
-            try:
-                kid = check_signed(m, trust)
-            except RefusedVersion as e:
-                raise EngineStateError(f"refusing to serve {model_dir}: {e}") from None
-            log.info("stitch: %s v%d in %s is signed by trusted key %s", m.run, m.version,
-                     model_dir, kid)
-        if m is not None:
-            if self.run is not None and m.run != self.run:
-                raise EngineStateError(f"{model_dir} holds run {m.run!r}, not {self.run!r}")
-            self.run = m.run
-            self.shapes = {t.name: (tuple(t.shape), t.dtype) for t in m.tensors}
-            want = m.fingerprints
-        else:
-            hf = read_safetensors_shapes(model_dir)
-            self.shapes = {n: (s, dtypes.info(d).name) for n, (s, d) in hf.items()}
-            want = await asyncio.to_thread(_files_fingerprints, model_dir, list(self.shapes))
-        t0 = time.perf_counter()
-        replies: list[rpc.SetupReply] = await self._call(rpc.Setup(self.shapes),
-                                                         self.load_timeout)
-        self.ranks = len(replies)
-        placed, fallback, self.unheld = self._classify(replies, want)
-        self.derived = sorted({p for r in replies for p in r.derived}
-                              | {a for r in replies for a in r.unmanaged})
-        self.derived_copies = _merge_counts(r.derived_copies for r in replies)
-        stale = _stale(replies)
-        if stale:
-            raise EngineStateError(f"derived copies of weights do not match the weights they are "
-                                   f"built from: {', '.join(stale[:5])}")
-        if self.derived:
-            msg = (f"{len(self.derived)} engine parameters or kernel states are written by no "
-                   "loader (computed from other weights after loading, e.g. MLA's absorbed "
-                   "W_UK/W_UV or a packed copy no adapter rebuilds, or never loaded), so a patch "
-                   "cannot keep them in step with the weights: "
-                   f"{', '.join(self.derived[:5])}{' ...' if len(self.derived) > 5 else ''}")
-            if not self.loader_fallback:
-                raise EngineStateError(msg + ". STITCH_LOADER_FALLBACK=1 follows anyway, "
-                                       "leaving them as loaded")
-            log.warning("stitch: %s; following anyway (loader fallback on)", msg)
-        if self.unheld:
-            log.warning("stitch: %d tensors of the checkpoint are held by no rank (the engine's "
-                        "loaders place none of their elements, e.g. a tied lm_head): %s; the "
-                        "engine does not use them, so they are neither verified nor updated",
-                        len(self.unheld), ", ".join(self.unheld[:10]))
-        if fallback and not self.loader_fallback:
-            raise EngineStateError(
-                f"{len(fallback)} tensors are not held where the layout map puts them (a loader "
-                "or a post-load step transforms them, e.g. quantisation or kernel repacking), so "
-                f"the engine's copy cannot be verified: {', '.join(sorted(fallback)[:5])}"
-                f"{' ...' if len(fallback) > 5 else ''}. STITCH_LOADER_FALLBACK=1 updates them "
-                "through the engine's own loader instead, unverified")
-        if fallback:
-            host = await asyncio.to_thread(_load_host, model_dir, set(fallback))
-            bad = [n for n in fallback if n not in host or fpr.fingerprint(n, host[n]) != want[n]]
-            if bad:
-                raise EngineStateError(f"snapshot files do not match their fingerprints: {bad[:5]}")
-            self.fallback = host
-            log.warning("stitch: %d tensors are not placed exactly by the layout map and will be "
-                        "updated through the engine's own loader: %s", len(fallback),
-                        ", ".join(sorted(fallback)))
-        self.fps = dict(want)
-        self.check = {"ok": True, "at": time.time(), "kind": "full", "tensors": len(placed),
-                      "fallback": len(fallback), "seconds": time.perf_counter() - t0}
-        if m is not None:
-            self._set_version(m.version)
-        log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "
-                 "kernels' packed copies kept in step: %s",
-                 f"{m.run} v{m.version}" if m else str(model_dir), self.ranks, len(placed),
-                 len(fallback), ", ".join(f"{n} {k}" for k, n in self.derived_copies.items())
-                 or "none")
-        return self.version
-
-    def _classify(self, replies, want: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
-        """(placed: every copy proven; fallback: mapped but not provable; unheld: no element
-        mapped on any rank)."""
-        placed, fallback, unheld = [], [], []
-        for name, (shape, _) in self.shapes.items():
-            numel = int(np.prod(shape, dtype=np.int64))
-            mapped = sum(r.mapped.get(name, 0) for r in replies)
-            total = sum(r.sums.get(name, 0) for r in replies) & fpr.MASK64
-            k = mapped // numel if numel else 0
-            if not numel or not mapped:
-                unheld.append(name)
-            elif mapped == k * numel and total == (k * want[name]) & fpr.MASK64:
-                self.mult[name] = k
-                placed.append(name)
-            else:
-                fallback.append(name)
-        return placed, fallback, sorted(unheld)
-
-    def _set_version(self, v: int | None) -> None:
-        self.version = v
-        if self.gate is not None:
-            if v is None:
-                self.gate.clear_version()
-            else:
-                self.gate.set_version(v)
-        if self.metrics is not None and v is not None:
-            self.metrics.set_version(v, getattr(self.gate, "latest", None))
-
     # ------------------------------------------------------------ following
 
     async def __call__(self, step: Step, path: Path) -> None:
@@ -334,7 +148,7 @@ class Coordinator:
             await self.apply_patch(step.manifest, step.patch_parts or [path])
 
     async def apply_patch(self, m: Manifest, paths: list[Path]) -> dict[str, Any]:
-        async with self._lock:
+        async with self.lock:
             t_all = time.perf_counter()
             refs = m.patches if len(m.patches) == len(paths) else [None] * len(paths)
             readers: list[PatchReader] = []
@@ -439,7 +253,7 @@ class Coordinator:
         the new values. The new bits per tensor, in position order."""
         plan = await asyncio.to_thread(self._positions, batch)
         t_g = time.perf_counter()
-        gathered: list[rpc.GatherReply] = await self._call(rpc.Gather(aid, {
+        gathered: list[rpc.GatherReply] = await self.call_ranks(rpc.Gather(aid, {
             n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
             for n, (p, _) in plan.items()}))
         timing["gather_s"] += time.perf_counter() - t_g
@@ -522,7 +336,7 @@ class Coordinator:
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
                     deltas: dict[str, int] = {}
                     async for new in batches:  # one batch, or bounded ones (same apply id)
-                        batch_replies = await self._call(rpc.Write(aid, new))
+                        batch_replies = await self.call_ranks(rpc.Write(aid, new))
                         for name in new:
                             deltas[name] = (deltas.get(name, 0)
                                             + sum(r.delta[name] for r in batch_replies))
@@ -535,7 +349,7 @@ class Coordinator:
                                 f"{name}: ranks wrote a change that does not add up to the "
                                 "manifest's (layout bug?); undone")
                     if fb_new:
-                        await self._call(rpc.Load({
+                        await self.call_ranks(rpc.Load({
                             n: (dtypes.info(t.dtype).name, tuple(t.shape),
                                 dtypes.int_view(t).reshape(-1).numpy())
                             for n, t in fb_new.items()}))
@@ -554,12 +368,12 @@ class Coordinator:
             finally:
                 await self._resume(proven)
             pause_s = time.perf_counter() - t0
-        self._set_version(m.version)  # proven by the ranks' read-back deltas
+        self.set_version(m.version)  # proven by the ranks' read-back deltas
         try:
-            await self._call(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
+            await self.call_ranks(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
         except Exception as e:  # noqa: BLE001 - a rank may be gone: prove what is there
             log.error("stitch: commit of v%d failed (%s); checking every rank", m.version, e)
-            check = await self._verify_unlocked()
+            check = await self.recheck()
             if not check["ok"]:
                 raise EngineStateError(f"v{m.version}: commit failed and the weights could not "
                                        "be proven afterwards") from e
@@ -568,7 +382,7 @@ class Coordinator:
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
         """Load a whole version through the engine's loader, then prove it."""
-        async with self._lock:
+        async with self.lock:
             files = sorted(str(p) for p in Path(snap_dir).glob("*.safetensors"))
             want = m.fingerprints
             if set(want) != set(self.shapes):
@@ -580,13 +394,13 @@ class Coordinator:
                 bad: list[str] = ["the load did not finish"]
                 try:
                     try:  # a load has no undo: once it started, only a proof may serve again
-                        await self._call(rpc.LoadFiles(files), self.load_timeout)
-                        replies: list[rpc.SumsReply] = await self._call(rpc.Sums())
-                        bad = self._mismatched(replies, want)
+                        await self.call_ranks(rpc.LoadFiles(files), self.load_timeout)
+                        replies: list[rpc.SumsReply] = await self.call_ranks(rpc.Sums())
+                        bad = self.mismatched(replies, want)
                     except Exception as e:  # noqa: BLE001 - a rank failed or hung mid-load
                         bad = [f"{type(e).__name__}: {e}"]
                     if bad:
-                        self._set_version(None)
+                        self.set_version(None)
                         self.check = {"ok": False, "at": time.time(), "kind": "snapshot",
                                       "mismatched": bad[:20]}
                         self.last_abort = {"version": m.version, "error": bad[0],
@@ -595,7 +409,7 @@ class Coordinator:
                             f"v{m.version} loaded but {len(bad)} tensors do not verify: {bad[:3]}")
                     if self.fallback:
                         self.fallback = await asyncio.to_thread(
-                            _load_host, Path(snap_dir), set(self.fallback))
+                            load_host, Path(snap_dir), set(self.fallback))
                     self.fps = dict(want)
                     handle.commit()
                     await self._after(m.version)
@@ -603,7 +417,7 @@ class Coordinator:
                     await self._resume(not bad)
             self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
                           "tensors": len(self.mult), "fallback": len(self.fallback)}
-            self._set_version(m.version)
+            self.set_version(m.version)
 
     async def _after(self, version: int) -> None:
         if self.after_apply is not None:
@@ -612,49 +426,9 @@ class Coordinator:
             except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
                 log.debug("after_apply hook: %s", e)
 
-    async def verify(self) -> dict[str, Any]:
-        """Recompute every rank's full sums and compare with the held version's fingerprints;
-        a failed check (or ranks that cannot answer) stops serving. The check's record."""
-        async with self._lock:
-            return await self._verify_unlocked()
-
-    async def _verify_unlocked(self) -> dict[str, Any]:
-        if not self.ranks:  # start() has not learned the layouts yet: nothing to check
-            return {"ok": None, "error": "the engine is still starting (layouts not learned)"}
-        t0 = time.perf_counter()
-        try:
-            replies: list[rpc.SumsReply] = await self._call(rpc.Sums(sorted(self.mult)))
-            stale = _stale(replies)  # kernels' copies not rebuilt from the weights there now
-            bad = self._mismatched(replies, self.fps)
-        except Exception as e:  # noqa: BLE001 - ranks that cannot answer prove nothing
-            stale, bad = [], [f"{type(e).__name__}: {e}"]
-        self.check = {"ok": not bad, "at": time.time(), "kind": "full",
-                      "tensors": len(self.mult), "mismatched": bad[:20],
-                      "derived_copies": sum(self.derived_copies.values()),
-                      "stale_derived": stale[:20], "seconds": time.perf_counter() - t0}
-        if bad:
-            log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
-                      self.version, len(bad), ", ".join(bad[:5]))
-            self._set_version(None)
-        return self.check
-
 
 async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
     yield item
-
-
-def _stale(replies) -> list[str]:
-    """Derived copies any rank reports stale, as 'rank R: module (kind)'."""
-    return [f"rank {i}: {name}" for i, r in enumerate(replies)
-            for name in r.stale_derived]
-
-
-def _merge_counts(counts) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + int(v)
-    return dict(sorted(out.items()))
 
 
 class _NoGate:

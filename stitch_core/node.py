@@ -38,8 +38,9 @@ from typing import Any
 from stitch_core.engine import rpc
 from stitch_core.failpoints import enabled as failpoints_enabled
 from stitch_core.serve import protocol
-from stitch_core.serve.asgi import ASGIApp, Scope, StitchASGI, send_json
-from stitch_core.serve.routes import Route
+from stitch_core.serve.asgi import StitchASGI
+from stitch_core.serve.asgi_types import ASGIApp, Scope, send_json
+from stitch_core.serve.route_table import Route
 from stitch_core.settings import Settings, SettingsError
 
 log = logging.getLogger("stitch.engine")

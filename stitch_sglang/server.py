@@ -16,8 +16,8 @@ EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
 
 The version protocol, `/stitch/status`, `/stitch/verify` and the Prometheus metrics come from
 `stitch_core`. Which routes are version-controlled is read from SGLang's own route table at
-start-up (`classify`, the rule of `stitch_core.serve.routes`): every POST/PUT route except those
-SGLang marks as admin endpoints (``@auth_level(ADMIN_...)``: weight updates, cache flushes,
+start-up (`classify`, the rule of `stitch_core.serve.route_table`): every POST/PUT route except
+those SGLang marks as admin endpoints (``@auth_level(ADMIN_...)``: weight updates, cache flushes,
 profiling, pauses, ...) and the tokenizer / count / parser / session / cancel / abort ones, so
 native `/generate` (POST and PUT), `/encode`, `/classify`, the OpenAI, Anthropic and Ollama
 routes, scoring and rerank; WebSockets (the realtime API) are refused while no version is
@@ -47,8 +47,8 @@ from stitch_core.node import (
     current,
     instance_guard,
 )
-from stitch_core.serve import protocol, routes
-from stitch_core.serve.routes import WEBSOCKET, Route, RouteInfo
+from stitch_core.serve import protocol, route_table
+from stitch_core.serve.route_table import WEBSOCKET, Route, RouteInfo
 from stitch_core.versions.manifest import PULLED_MANIFEST
 
 log = logging.getLogger("stitch.sglang")
@@ -80,7 +80,7 @@ def _control_endpoint(info: RouteInfo) -> bool:
 
 def classify(info: RouteInfo) -> Route | None:
     """A route of SGLang's app: version-controlled (a `Route`) or not (None)."""
-    return routes.generating(info, _control_endpoint)
+    return route_table.generating(info, _control_endpoint)
 
 
 def api_keys(tm: Any = None) -> tuple[str | None, str | None]:
@@ -246,7 +246,7 @@ class StitchMiddleware(FollowerMiddleware):
         super().__init__(app, **kw)
 
     def discover_routes(self, app: Any) -> list[Route] | None:
-        return routes.discover(app, classify, FALLBACK)
+        return route_table.discover(app, classify, FALLBACK)
 
     def setup_auth(self, app: Any) -> None:
         from sglang.srt.entrypoints.http_server import get_global_state

@@ -9,7 +9,7 @@ and the Prometheus metrics come from `stitch_core` (engine-agnostic). Configurat
 environment (`stitch_core.node.Settings`: STITCH_BOARD, STITCH_RUN, STITCH_NATS_URL, ...).
 
 Which routes are version-controlled is read from vLLM's own route table at start-up
-(`classify`, the rule of `stitch_core.serve.routes`): every POST/PUT route except those whose
+(`classify`, the rule of `stitch_core.serve.route_table`): every POST/PUT route except those whose
 endpoint lives in vLLM's server-administration, RL-control, model-list or render/derender modules
 (`CONTROL_MODULES`) or is a tokenizer / count / abort / cancel endpoint; WebSocket routes (the
 realtime API) are refused while no version is proven. `FALLBACK` is version-controlled whatever
@@ -37,8 +37,8 @@ from stitch_core.node import (
     current,
     instance_guard,
 )
-from stitch_core.serve import protocol, routes
-from stitch_core.serve.routes import WEBSOCKET, Route, RouteInfo
+from stitch_core.serve import protocol, route_table
+from stitch_core.serve.route_table import WEBSOCKET, Route, RouteInfo
 
 __all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current", "classify", "FALLBACK"]
 
@@ -70,7 +70,7 @@ def _control_endpoint(info: RouteInfo) -> bool:
 
 def classify(info: RouteInfo) -> Route | None:
     """A route of vLLM's app: version-controlled (a `Route`) or not (None)."""
-    return routes.generating(info, _control_endpoint)
+    return route_table.generating(info, _control_endpoint)
 
 
 def api_keys(app: Any) -> list[str]:
@@ -119,7 +119,7 @@ class StitchMiddleware(FollowerMiddleware):
         super().__init__(app, **kw)
 
     def discover_routes(self, app: Any) -> list[Route] | None:
-        return routes.discover(app, classify, FALLBACK)
+        return route_table.discover(app, classify, FALLBACK)
 
     def setup_auth(self, app: Any) -> None:
         auth = self.below(lambda m: type(m).__name__ == "AuthenticationMiddleware"

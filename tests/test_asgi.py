@@ -7,8 +7,9 @@ import json
 
 import httpx
 
-from stitch_core.serve.asgi import StitchASGI, salt_body, sse_data
+from stitch_core.serve.asgi import StitchASGI, salt_body
 from stitch_core.serve.gate import VersionGate
+from stitch_core.serve.stamping import sse_data
 
 from .test_protocol import RUN, FakeOpenAI, apply, assert_not_ready, events, hdrs, make
 

@@ -16,10 +16,10 @@ from pydantic import BaseModel
 
 import stitch_core.node as node
 from stitch_core.node import FollowerMiddleware, bearer_check, check_guard, instance_guard
-from stitch_core.serve import protocol, routes
+from stitch_core.serve import protocol, route_table
 from stitch_core.serve.asgi import StitchASGI
 from stitch_core.serve.gate import VersionGate
-from stitch_core.serve.routes import WEBSOCKET, Route, RouteInfo, RouteTable
+from stitch_core.serve.route_table import WEBSOCKET, Route, RouteInfo, RouteTable
 
 from .test_protocol import RUN, FakeOpenAI, apply, assert_not_ready, hdrs
 
@@ -171,7 +171,7 @@ def test_discover_classifies_the_route_table_and_adds_the_fallback():
     def control(info: RouteInfo) -> bool:
         return getattr(info.endpoint, "_admin", False) or info.module == "engine.admin"
 
-    found = routes.discover(fake_app(), lambda i: routes.generating(i, control),
+    found = route_table.discover(fake_app(), lambda i: route_table.generating(i, control),
                             [Route("/v1/completions"), Route("/generate", salt=False)])
     got = {r.path: (sorted(r.methods), r.dialect, r.salt, r.control) for r in found}
     assert got == {
@@ -187,7 +187,7 @@ def test_discover_classifies_the_route_table_and_adds_the_fallback():
     }
     # an unreadable table: the fallback only
     broken = type("App", (), {"routes": property(lambda self: 1 / 0)})()
-    assert [r.path for r in routes.discover(broken, lambda i: None, [Route("/x")])] == ["/x"]
+    assert [r.path for r in route_table.discover(broken, lambda i: None, [Route("/x")])] == ["/x"]
 
 
 # ----- dialects -----

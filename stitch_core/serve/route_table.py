@@ -20,6 +20,10 @@ generates unless it is one of the engine's control or pre/post-processing endpoi
 adapter says which by the engine's own metadata, e.g. the module its endpoint lives in or an
 admin marker, plus the names in `NOT_GENERATING`); every WebSocket route counts as generating.
 Unknown routes are thus version-controlled: the rule fails closed.
+
+The engine's side only (its own HTTP routes: which are version-controlled, which refused while not
+ready); the gateway's table of engines and the order it tries them in is
+`stitch_core.serve.routing`.
 """
 
 from __future__ import annotations

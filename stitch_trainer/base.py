@@ -113,7 +113,8 @@ class PublisherBase:
     # -------------------------------------------------------------- NATS
     async def connect_nats(self, url: str, name: str) -> None:
         """Connect to NATS and make sure the run's streams exist (announcements)."""
-        from stitch_core.versions.announce import connect, ensure_streams
+        from stitch_core.versions.nats_conn import connect
+        from stitch_core.versions.streams import ensure_streams
 
         self._nc = await connect(url, name=name)
         self._js = self._nc.jetstream()

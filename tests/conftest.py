@@ -18,7 +18,7 @@ def nats_server(tmp_path_factory):
 @pytest.fixture
 async def nc(nats_server):
     """A nats-py connection to the session server, closed after the test."""
-    from stitch_core.versions.announce import connect
+    from stitch_core.versions.nats_conn import connect
 
     conn = await connect(nats_server.url)
     yield conn

@@ -153,8 +153,9 @@ async def test_a_forged_huge_announcement_moves_nothing(stack):
     board's own `latest` before believing anything, so its latest does not jump, it is not
     stalled, and it goes on applying the real next versions; a restarted follower that reads the
     forged message again from JetStream is not fooled either."""
-    from stitch_core.versions.announce import announce, connect
+    from stitch_core.versions.announce import announce
     from stitch_core.versions.manifest import Announcement
+    from stitch_core.versions.nats_conn import connect
 
     t, run, board, nats, tmp = stack
     await asyncio.to_thread(t.step)

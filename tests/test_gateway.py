@@ -19,10 +19,12 @@ from stitch_core.serve.asgi import StitchASGI
 from stitch_core.serve.gate import VersionGate
 from stitch_core.serve.gateway import Gateway
 from stitch_core.serve.routing import GatewayStatus
-from stitch_core.versions.announce import connect, ensure_streams, gateways, publish_heartbeat
+from stitch_core.versions.announce import gateways, publish_heartbeat
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Heartbeat
 from stitch_core.versions.memory_replica import MemoryReplica
+from stitch_core.versions.nats_conn import connect
+from stitch_core.versions.streams import ensure_streams
 from stitch_dev.ports import free_port
 
 from .test_follow_nats import Trainer

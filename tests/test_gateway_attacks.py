@@ -22,14 +22,11 @@ import pytest
 from stitch_core.serve import protocol
 from stitch_core.serve.admission import UrlAllowList
 from stitch_core.serve.gateway import Gateway
-from stitch_core.versions.announce import (
-    connect,
-    engines_stream,
-    ensure_streams,
-    publish_heartbeat,
-)
+from stitch_core.versions.announce import publish_heartbeat
 from stitch_core.versions.manifest import Heartbeat
+from stitch_core.versions.nats_conn import connect
 from stitch_core.versions.natsserver import NatsServer
+from stitch_core.versions.streams import engines_stream, ensure_streams
 
 from .test_gateway import Engine, _serve, _shutdown, body, fleet_of, until
 from .test_nats_security import follower_rights

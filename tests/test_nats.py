@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stitch_core.versions import announce as an
+from stitch_core.versions import nats_conn, streams
 from stitch_core.versions.board import BoardError, LatestConflict, NotFound, open_board
 from stitch_core.versions.board.nats import CHUNK, NatsBoard, split_url
 from stitch_core.versions.manifest import Announcement, Heartbeat, Latest, manifest_key
@@ -218,8 +219,8 @@ async def _next(q: asyncio.Queue) -> Announcement:
 async def test_late_subscriber_gets_last_then_new(nc):
     run, js = _name("r"), nc.jetstream()
     assert await an.last_announcement(js, run) is None
-    await an.ensure_streams(js, run)
-    await an.ensure_streams(js, run)  # idempotent
+    await streams.ensure_streams(js, run)
+    await streams.ensure_streams(js, run)  # idempotent
     assert await an.last_announcement(js, run) is None
     for v in (1, 2):
         await an.announce(js, _ann(run, v))
@@ -255,7 +256,7 @@ async def test_deliver_all_and_creates_streams(nc):
 
 async def test_malformed_and_failing_are_skipped(nc, caplog):
     run, js = _name("r"), nc.jetstream()
-    await an.ensure_streams(js, run)
+    await streams.ensure_streams(js, run)
     q: asyncio.Queue = asyncio.Queue()
 
     async def cb(a: Announcement) -> None:
@@ -265,8 +266,8 @@ async def test_malformed_and_failing_are_skipped(nc, caplog):
 
     sub = await an.subscribe_versions(js, run, cb, deliver="new")
     await asyncio.sleep(0.1)
-    await js.publish(an.versions_subject(run), b"not json")
-    await js.publish(an.versions_subject(run), b'{"run": "x"}')
+    await js.publish(streams.versions_subject(run), b"not json")
+    await js.publish(streams.versions_subject(run), b'{"run": "x"}')
     await an.announce(js, _ann(run, 1))
     await an.announce(js, _ann(run, 2))
     await an.announce(js, _ann(run, 3))
@@ -292,8 +293,8 @@ async def test_heartbeats_fleet(nc):
     beats = await an.fleet(js, run)
     assert [(b.id, b.version, b.state) for b in beats] == [
         ("e1", 2, "serving"), ("host.a:8000", 2, "serving")]
-    assert an.engine_token("host.a:8000") != an.engine_token("host_a_8000")
-    si = await js.stream_info(an.engines_stream(run))
+    assert streams.engine_token("host.a:8000") != streams.engine_token("host_a_8000")
+    si = await js.stream_info(streams.engines_stream(run))
     assert si.config.max_msgs_per_subject == 1 and si.state.messages == 2
 
 
@@ -314,14 +315,14 @@ async def test_stopped_server_gives_clear_errors(doomed_server):
     with pytest.raises(BoardError, match="connect"):
         await fresh.exists("r/a.bin")
     with pytest.raises(ConnectionError, match="cannot connect"):
-        await an.connect(url, connect_timeout=1)
+        await nats_conn.connect(url, connect_timeout=1)
     assert time.monotonic() - t0 < 12
 
 
 async def test_server_restart_keeps_data_and_subscriptions(doomed_server):
     """JetStream file storage: objects, latest and announcements survive a server restart on the
     same store, and a live subscription resumes by itself."""
-    nc = await an.connect(doomed_server.url)
+    nc = await nats_conn.connect(doomed_server.url)
     q: asyncio.Queue = asyncio.Queue()
     async with NatsBoard(f"{doomed_server.url}/b") as board:
         await board.put("r/a.bin", b"durable")
@@ -355,12 +356,12 @@ async def test_get_with_a_size_limit_is_refused_from_the_object_info(board):
 
 async def test_oversized_announcements_are_skipped_and_logged_sparingly(nc, caplog):
     run, js = _name("r"), nc.jetstream()
-    await an.ensure_streams(js, run)
+    await streams.ensure_streams(js, run)
     q: asyncio.Queue = asyncio.Queue()
     sub = await an.subscribe_versions(js, run, q.put, deliver="new")
     await asyncio.sleep(0.1)
     for _ in range(20):  # a flood of 100 KB messages: skipped, logged 5 times (1, 2, 4, 8, 16)
-        await js.publish(an.versions_subject(run), b"{" + b" " * (100 << 10) + b"}")
+        await js.publish(streams.versions_subject(run), b"{" + b" " * (100 << 10) + b"}")
     await an.announce(js, _ann(run, 1))
     assert (await _next(q)).version == 1
     assert caplog.text.count("oversized announcement") == 5

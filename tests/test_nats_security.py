@@ -29,8 +29,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from stitch_core.versions import announce as announce_mod
-from stitch_core.versions.announce import (
+from stitch_core.versions import nats_conn
+from stitch_core.versions.announce import announce, fleet, publish_heartbeat
+from stitch_core.versions.board.base import BoardError
+from stitch_core.versions.board.nats import NatsBoard
+from stitch_core.versions.follower import Follower
+from stitch_core.versions.manifest import Announcement, Heartbeat, Latest
+from stitch_core.versions.memory_replica import MemoryReplica
+from stitch_core.versions.nats_conn import (
     ENV_CREDS,
     ENV_TLS_CA,
     ENV_TLS_CERT,
@@ -38,19 +44,11 @@ from stitch_core.versions.announce import (
     NatsConfigError,
     NatsConnectionError,
     NatsPermissionError,
-    announce,
     connect,
     denied_since,
-    ensure_streams,
-    fleet,
-    publish_heartbeat,
 )
-from stitch_core.versions.board.base import BoardError
-from stitch_core.versions.board.nats import NatsBoard
-from stitch_core.versions.follower import Follower
-from stitch_core.versions.manifest import Announcement, Heartbeat, Latest
-from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.natsserver import NatsServer
+from stitch_core.versions.streams import ensure_streams
 
 from .test_follow_nats import Trainer, same
 
@@ -172,13 +170,13 @@ def two_identities(monkeypatch, pki: Path, creds: dict[str, Path] | None = None)
     tls, files = {}, {}
     for who in ("follower", "publisher"):
         use(monkeypatch, pki, who, creds=creds[who] if creds else None)
-        tls[who], files[who] = announce_mod.tls_context(), announce_mod._creds_file()
+        tls[who], files[who] = nats_conn.tls_context(), nats_conn.creds_file()
 
     def who() -> str:
         return "follower" if threading.current_thread() is threading.main_thread() else "publisher"
 
-    monkeypatch.setattr(announce_mod, "tls_context", lambda: tls[who()])
-    monkeypatch.setattr(announce_mod, "_creds_file", lambda: files[who()])
+    monkeypatch.setattr(nats_conn, "tls_context", lambda: tls[who()])
+    monkeypatch.setattr(nats_conn, "creds_file", lambda: files[who()])
 
 
 def _tls_block(pki: Path, *, map_users: bool) -> str:

@@ -280,8 +280,8 @@ async def _retry(what, timeout: float = 30.0):
 async def test_board_on_r3_buckets_survives_a_node(tmp_path):
     from nats.js import api
 
-    from stitch_core.versions.announce import connect
     from stitch_core.versions.board.nats import NatsBoard
+    from stitch_core.versions.nats_conn import connect
     from stitch_dev.ports import free_port
 
     routes = [free_port() for _ in range(3)]

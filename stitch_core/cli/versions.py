@@ -164,7 +164,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     exit status. Only heartbeats published on their own engine's subject are shown
     (`announce.speaks_for`), and "last seen" is when the NATS server stored each one, not the
     time its sender claims."""
-    from stitch_core.versions.announce import connect, fleet_stored, gateways
+    from stitch_core.versions.announce import fleet_stored, gateways
+    from stitch_core.versions.nats_conn import connect
 
     async def go():  # connect(): $STITCH_NATS_CREDS and $STITCH_NATS_TLS_* apply
         nc = await connect(a.nats, name="stitch-status")

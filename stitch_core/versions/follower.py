@@ -208,7 +208,9 @@ class Follower:
             self._tasks.append(asyncio.create_task(self._nats()))
 
     async def _nats(self, backoff: float = 1.0, cap: float = 30.0) -> None:
-        from stitch_core.versions.announce import connect, ensure_streams, subscribe_versions
+        from stitch_core.versions.announce import subscribe_versions
+        from stitch_core.versions.nats_conn import connect
+        from stitch_core.versions.streams import ensure_streams
 
         while True:
             try:

@@ -309,3 +309,18 @@ class Heartbeat(BaseModel):
     # requests in flight in the engine's middleware (its VersionGate) at `time`; None: unknown
     load: int | None = Field(default=None, ge=0)
     time: float
+
+
+class GatewayHeartbeat(BaseModel):
+    """Published by `stitch gateway` on `stitch.<run>.gateways.<id>` (`stitch status` shows it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    run: str
+    url: str | None = None
+    region: str | None = None
+    engines: int = 0  # engines it routes to now (fresh heartbeat, serving, not dead)
+    versions: list[int] = []  # the versions those engines serve, ascending, distinct
+    in_flight: int = 0
+    requests_total: int = 0
+    time: float

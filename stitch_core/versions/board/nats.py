@@ -42,7 +42,6 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from stitch_core.versions.announce import NatsConfigError, connect, denied_since
 from stitch_core.versions.board.base import (
     Board,
     BoardError,
@@ -54,6 +53,7 @@ from stitch_core.versions.board.base import (
     too_large,
 )
 from stitch_core.versions.manifest import MANIFEST, MAX_LATEST_BYTES, Latest, check_run
+from stitch_core.versions.nats_conn import NatsConfigError, connect, denied_since
 
 log = logging.getLogger("stitch.nats")
 

@@ -6,7 +6,7 @@ Targets (from the issue; benchmarks, not tests):
 
 A. Engine pause per apply scales with the patch, not the model: per applied version, the rank's
    write call (the engine pause) vs a bare ``index_put_`` of the same elements at the same engine
-   positions of the same tensors (``RankReplica.baseline``), goal <= 5x; a fit pause = a + b *
+   positions of the same tensors (``stitch_dev.rank_baseline``), goal <= 5x; a fit pause = a + b *
    changed per model size (tiny test model, ~10x, ~55x); the engine's own full reload of the same
    model as the model-size reference. On the CPU the write also re-packs every linear layer it
    touched when vLLM packed it (oneDNN/AMX hosts); that part is timed separately (GPUs do not
@@ -256,7 +256,7 @@ class _VllmJob(_JobEngine):
     def row(self) -> dict:
         return {"repack_s": self.repack["seconds"], "repacked_layers": self.repack["layers"],
                 "dirty_params": self.repack["dirty"], "fp_delta_s": self.timed_fpr.seconds,
-                "bare_gather_s": self._bare_gather(), "tensors": len(self.rep._last_write)}
+                "bare_gather_s": self._bare_gather(), "tensors": len(self.rep.last_write)}
 
     def reload(self) -> dict:
         return {"repack_s": self.repack["seconds"], "repacked_layers": self.repack["layers"]}
@@ -274,7 +274,7 @@ class _VllmJob(_JobEngine):
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
-            for flat, eng in self.rep._last_write:
+            for flat, eng in self.rep.last_write:
                 flat[eng]
             best = min(best, time.perf_counter() - t)
         return best
@@ -319,10 +319,10 @@ def engine_job(job_path: str) -> None:
 
     import gc
 
-    from stitch_core.engine import rpc
     from stitch_core.engine.coordinator import Coordinator
     from stitch_core.versions.board import LocalBoard
     from stitch_core.versions.store import fetch_object, fetch_patch, read_manifest
+    from stitch_dev.rank_baseline import Baseline  # registers the rank handler (also on unpickle)
 
     board = LocalBoard(job["board"])
     cache = Path(job["cache"])
@@ -357,7 +357,7 @@ def engine_job(job_path: str) -> None:
                 gc.collect()  # outside the timers: no collection lands in one apply by chance
                 eng.reset()
                 st = await coord.apply_patch(m, paths)
-                base = (await eng.rpc(rpc.Baseline(repeat=5)))[0]
+                base = (await eng.rpc(Baseline(repeat=5)))[0]
                 rows.append({
                     "run": r["run"], "lr": r["lr"], "version": v, "changed": st["changed"],
                     "total_elements": m.total_elements, "patch_bytes": st["patch_bytes"],
@@ -985,7 +985,8 @@ NOTES = """## How to read it
   elements; GPUs do not pay it. *fp-delta*: the `fingerprint.sum_at` calls of the write (timed by
   wrapping the module attribute in that process). *rest*: the remainder (index_put_, the
   read-back compare, the gather-time check that nothing moved, per-tensor Python overhead).
-  *bare index_put_*: `RankReplica.baseline` (dispatch `baseline`, best of 5): the same elements,
+  *bare index_put_*: `stitch_dev.rank_baseline` (a registered rank handler, best of 5): the same
+  elements,
   engine positions and tensors, in the same process, right after the apply. *coordinator pause*:
   what the Coordinator held (its write RPC incl. pickling + the commit RPC). *apply total*: the
   whole `apply_patch` (position decode, gather, value decode + verification, write).
@@ -1039,7 +1040,7 @@ NOTES_SGLANG = """## How to read it
   compare, fingerprint delta, then the `on_dirty` hook (a no-op for SGLang: no re-pack).
   *gather* / *write RPC*: the Coordinator's gather and write calls as it sees them (pickling +
   the ZMQ round trip to the scheduler included; the write also checks the ranks' fingerprint
-  deltas); in parentheses the gather on the rank. *bare index_put_*: `RankReplica.baseline`
+  deltas); in parentheses the gather on the rank. *bare index_put_*: `stitch_dev.rank_baseline`
   through the same RPC (dispatch `baseline`, best of 5): the same elements, engine positions and
   tensors, in the scheduler process, right after the apply. *coordinator pause*: what the
   Coordinator held: `pause_generation` + the write RPC + `continue_generation`. *apply total*:

@@ -49,7 +49,7 @@ PUBLIC = {
     "stitch_core.versions.natsserver": ["NatsServer"],
     "stitch_core.engine.coordinator": ["Coordinator"],
     "stitch_core.engine.proof": ["HeldState", "EngineStateError", "read_pulled_manifest"],
-    "stitch_core.engine.replica": ["RankReplica", "ReplicaError"],
+    "stitch_core.engine.replica": ["RankReplica", "ReplicaError", "register_handler"],
     "stitch_core.engine.rpc": ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "GatherReply",
                                "Held", "Write", "WriteReply", "Undo", "Commit", "Done", "Load",
                                "LoadFiles", "LoadReply", "Request", "Reply", "encode", "decode"],

@@ -17,7 +17,7 @@ import torch
 from stitch_core.engine import rpc as rpc_
 from stitch_core.engine.coordinator import Coordinator
 from stitch_core.engine.proof import EngineStateError
-from stitch_core.engine.replica import RankReplica
+from stitch_core.engine.replica import RankReplica, ReplicaError
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.stp import PatchError
 from stitch_core.versions.board import LocalBoard
@@ -170,6 +170,27 @@ async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path
     replicas[1].write = real_write
     await coord.apply_patch(m1, paths)
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))
+
+
+async def test_extra_rank_requests_go_through_registered_handlers_only(published, tmp_path):
+    """Production ranks answer rpc's requests only; the benchmark's baseline is a handler that
+    stitch_dev.rank_baseline registers (and unpickling its request in a rank imports it)."""
+    from stitch_dev.rank_baseline import Baseline, BaselineReply
+
+    root, views = published
+    _, replicas, coord = await _start(root, views, 2, name="extra")
+    board = LocalBoard(root / "board")
+    await Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache").catch_up(1)
+    replies = await coord.rpc(Baseline(repeat=2))
+    assert all(isinstance(r, BaselineReply) for r in replies)
+    assert sum(r.elements for r in replies) == sum(
+        int(e.numel()) for rep in replicas for _, e in rep.last_write) > 0
+
+    class Unknown:
+        pass
+
+    with pytest.raises(ReplicaError, match="not a rank request"):
+        replicas[0].handle(Unknown())
 
 
 async def test_silent_corruption_is_caught_by_a_full_check(published):

@@ -50,6 +50,17 @@ class ReplicaError(StitchError, RuntimeError):
     """Raised by a rank for a request it cannot carry out (no layout, bad positions, ...)."""
 
 
+# Requests beyond rpc's, {request type: handler(replica, request) -> reply}, that `handle`
+# dispatches to: benchmarks and tests install theirs (e.g. stitch_dev.rank_baseline, on import);
+# production code registers nothing.
+HANDLERS: dict[type, Callable[[RankReplica, Any], Any]] = {}
+
+
+def register_handler(request_type: type, handler: Callable[[RankReplica, Any], Any]) -> None:
+    """Have every `RankReplica.handle` in this process answer `request_type` with `handler`."""
+    HANDLERS[request_type] = handler
+
+
 
 _INEXACT = 0x9E3779B97F4A7C15  # added to a sum per engine value that is not a served-view value
 
@@ -117,7 +128,9 @@ class RankReplica:
         self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._undo_id: str | None = None
         self._dirty: set[str] = set()
-        self._last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (engine param, engine positions) of the last write: what a benchmark times a bare
+        # index_put_ or gather against (stitch_dev.rank_baseline)
+        self.last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.failpoints = Failpoints()  # tests and chaos drills only (STITCH_FAILPOINTS=1)
 
     # ------------------------------------------------------------ set-up and full checks
@@ -291,7 +304,7 @@ class RankReplica:
             self._dirty |= dirty
         else:
             self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
-        self._last_write = [(flat, eng) for flat, eng, _ in undo]
+        self.last_write = [(flat, eng) for flat, eng, _ in undo]
         if self.failpoints.armed:  # tests: all written (undo record kept), then the call fails
             self.failpoints.hit("written")
         return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
@@ -320,22 +333,6 @@ class RankReplica:
         if apply_id == self._plan_id:
             self._plan, self._plan_id = {}, None
         return rpc.Done(apply_id)
-
-    def baseline(self, repeat: int = 3) -> rpc.BaselineReply:
-        """Benchmark baseline: the best time of a bare ``index_put_`` of the last write's values
-        at the same engine positions of the same tensors (rewrites identical bits)."""
-        if not self._last_write:
-            raise ReplicaError("no write to compare with")
-        vals = [flat[eng].clone() for flat, eng in self._last_write]
-        best = float("inf")
-        for _ in range(max(1, repeat)):
-            t0 = time.perf_counter()
-            for (flat, eng), v in zip(self._last_write, vals, strict=True):
-                flat.index_put_((eng,), v)
-            if vals and vals[0].device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return rpc.BaselineReply(best, sum(int(e.numel()) for _, e in self._last_write))
 
     # ------------------------------------------------------------ the engine's own loader
 
@@ -405,8 +402,9 @@ class RankReplica:
                     for n, (d, shape, bits) in tensors.items())
             case rpc.LoadFiles(files):
                 return self.load_files(files)
-            case rpc.Baseline(repeat):
-                return self.baseline(repeat)
             case rpc.Arm():
                 return self.failpoints.arm(req, self.rank_info)
+        extra = HANDLERS.get(type(req))
+        if extra is not None:  # a request type a benchmark or test registered
+            return extra(self, req)
         raise ReplicaError(f"not a rank request: {type(req).__name__}")

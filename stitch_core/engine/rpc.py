@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "Held", "GatherReply", "Write",
-           "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Baseline",
-           "BaselineReply", "Arm", "ArmReply", "Failed", "Request", "Reply", "index_dtype",
-           "encode", "decode"]
+           "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Arm",
+           "ArmReply", "Failed", "Request", "Reply", "index_dtype", "encode", "decode"]
 
 
 def index_dtype(bound: int) -> type[np.signedinteger]:
@@ -162,21 +161,6 @@ class LoadReply:
     seconds: float
 
 
-@dataclass(frozen=True)
-class Baseline:
-    """Benchmarks: time a bare `index_put_` of the last write (best of `repeat`)."""
-
-    repeat: int = 3
-
-
-@dataclass(frozen=True)
-class BaselineReply:
-    """The best time of the bare `index_put_` and the engine elements it wrote."""
-
-    index_put_s: float
-    elements: int
-
-
 # ------------------------------------------------------------------ tests and chaos drills
 @dataclass(frozen=True)
 class Arm:
@@ -209,9 +193,8 @@ class Failed:
     rank: dict[str, Any] = field(default_factory=dict)
 
 
-Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Baseline | Arm
-Reply = (SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | BaselineReply
-         | ArmReply | Failed)
+Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Arm
+Reply = SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | ArmReply | Failed
 
 
 def encode(msg: Request | Reply) -> bytes:

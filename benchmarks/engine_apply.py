@@ -564,7 +564,7 @@ def serve_latency(work: Path, lrs: list[float], per_lr: int, poll: float,
                 t0 = time.perf_counter()
                 info = tr.publish()
                 t_ret = time.perf_counter()
-                info._future.add_done_callback(  # when the manifest is on the board + announced
+                info.future.add_done_callback(  # when the manifest is on the board + announced
                     lambda _f, s=stamp: s.setdefault("board", time.perf_counter()))
                 v = info.version
                 while True:

@@ -310,7 +310,7 @@ def worker(work: Path, rank: int) -> None:
 
     pub = FSDPPublisher(str(work / "board"), RUN, VIEW, spool_dir=work)
     marks: dict[str, float] = {}
-    reduce_fps = pub._reduce_fingerprints
+    reduce_fps = pub.reduce_fingerprints
 
     def timed_reduce(*args, **kw):  # the fingerprint all-reduce ends the local phase
         marks["reduce_in"] = time.perf_counter()
@@ -319,7 +319,7 @@ def worker(work: Path, rank: int) -> None:
         finally:
             marks["reduce_out"] = time.perf_counter()
 
-    pub._reduce_fingerprints = timed_reduce
+    pub.reduce_fingerprints = timed_reduce
     m0 = pub.start_from(work / "ckpt", step=a["warmup"])
     slices = local_slices(model, rank)
     where = {n: (s.shape, s.offset) for n, s in slices.items()}

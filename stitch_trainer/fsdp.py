@@ -281,7 +281,7 @@ class FSDPPublisher(PublisherBase):
                 raise RuntimeError("this rank's part does not list every tensor of the model")
         except Exception as e:
             err = e
-        totals, failed = self._reduce_fingerprints(names, partial, err is not None)
+        totals, failed = self.reduce_fingerprints(names, partial, err is not None)
         wrong = [n for n in names if totals[n][0] != self._base_fps.get(n)]
         if failed or wrong:
             if f is not None:
@@ -334,7 +334,7 @@ class FSDPPublisher(PublisherBase):
         self._published = version
         info = VersionInfo(self.run, version, step, "patch", parent)
         info.blocked_seconds = time.perf_counter() - t0
-        info._future.set_result(m)
+        info.future.set_result(m)
         log.info(
             "published %s v%d (%d parts, %d bytes)", self.run, version, self.world, m.patch_bytes
         )
@@ -399,7 +399,7 @@ class FSDPPublisher(PublisherBase):
         dist.broadcast_object_list(box, src=self._src, group=self.group)
         return box[0]
 
-    def _reduce_fingerprints(
+    def reduce_fingerprints(
         self, names: list[str], partial: Mapping[str, tuple[int, int]], failed: bool
     ) -> tuple[dict[str, tuple[int, int]], int]:
         """Sum (mod 2^64) of every rank's partial (base, target) fingerprints: one int64 tensor

@@ -49,14 +49,16 @@ class VersionInfo:
     kind: str
     parent: int | None
     blocked_seconds: float = 0.0  # time publish() held the caller
-    _future: cf.Future = field(default_factory=cf.Future, repr=False)
+    # resolved with the manifest once the version is on the board (announced), or its error: set
+    # by the publishers (publisher.py, fsdp.py); callers may add callbacks (benchmarks do)
+    future: cf.Future = field(default_factory=cf.Future, repr=False)
 
     def result(self, timeout: float | None = None) -> Manifest:
         """Wait until this version is on the board (and announced); its manifest."""
-        return self._future.result(timeout)
+        return self.future.result(timeout)
 
     def done(self) -> bool:
-        return self._future.done()
+        return self.future.done()
 
 
 def named_tensors(src: Mapping[str, torch.Tensor] | torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -191,13 +193,13 @@ class Publisher(PublisherBase):
                 continue
             try:
                 m = self._call(self._publish(info, payload))
-                info._future.set_result(m)
+                info.future.set_result(m)
                 if self.keep_snapshots is not None and m.kind == "snapshot":
                     self._call(self._gc())
             except BaseException as e:  # the next version becomes a snapshot from scratch
                 log.error("publishing %s v%d failed: %s", self.run, info.version, e)
                 self._base = None
-                info._future.set_exception(e)
+                info.future.set_exception(e)
 
     async def _gc(self) -> None:
         """The board's retention after a snapshot: a failure is logged, never a publish error."""

@@ -43,8 +43,8 @@ from stitch_core.serve.routing import (
     metrics_text,
 )
 from stitch_core.settings import MAX_BODY_BYTES, env_name
-from stitch_core.versions import announce
-from stitch_core.versions.manifest import Heartbeat, check_run
+from stitch_core.versions import announce, nats_conn, streams
+from stitch_core.versions.manifest import GatewayHeartbeat, Heartbeat, check_run
 
 log = logging.getLogger("stitch.gateway")
 
@@ -113,14 +113,14 @@ class Gateway:
                  f"{self.upstream_timeout:g} s" if self.upstream_timeout else "none")
         if self.nats_url is None:
             return
-        self._nc = await announce.connect(self.nats_url, name=f"stitch-gateway-{self.id}")
+        self._nc = await nats_conn.connect(self.nats_url, name=f"stitch-gateway-{self.id}")
         js = self._nc.jetstream()
-        await self._nc.subscribe(announce.engines_subject(self.run), cb=self._on_heartbeat)
+        await self._nc.subscribe(streams.engines_subject(self.run), cb=self._on_heartbeat)
         now = time.time()
         for st in await announce.fleet_stored(js, self.run):
             self.heartbeat(st.subject, st.hb, now=st.stored, age=now - st.stored, seq=st.seq)
         try:
-            await announce.ensure_gateways_stream(js, self.run)
+            await streams.ensure_gateways_stream(js, self.run)
         except Exception as e:  # noqa: BLE001 - e.g. no right to create it: route anyway
             log.warning("gateway %s: no heartbeats of its own (stitch status will not list it):"
                         " %s", self.id, e)
@@ -185,7 +185,7 @@ class Gateway:
         while not self._stopping:
             st = self.status()
             with contextlib.suppress(Exception):
-                await announce.publish_gateway_heartbeat(js, announce.GatewayHeartbeat(
+                await announce.publish_gateway_heartbeat(js, GatewayHeartbeat(
                     id=self.id, run=self.run, url=self.url, region=self.table.region,
                     engines=st.routable, versions=st.versions, in_flight=self.in_flight,
                     requests_total=self.requests, time=time.time()))

@@ -242,9 +242,3 @@ async def _last_of_each(js: JetStreamContext, stream: str, subjects: str, model:
     beats = await asyncio.gather(*(_last(s) for s in sorted((info.state.subjects or {}).keys())))
     return sorted((b for b in beats if b is not None), key=lambda b: getattr(b.hb, "id", ""))
 
-
-# TEMPORARY, remove with the next change to stitch_core/serve/gateway.py: it still reaches
-# `announce.connect` and `announce.ensure_gateways_stream` (now nats_conn's and streams'), and
-# serve/* is being changed by another branch of work; nothing else may use these two names here.
-from stitch_core.versions.nats_conn import connect  # noqa: E402, F401
-from stitch_core.versions.streams import ensure_gateways_stream  # noqa: E402, F401

@@ -38,6 +38,7 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class Hold:
 
     def __init__(self, fd: int, run: str, version: int, path: Path):
         self._fd: int | None = fd
+        self._lock = threading.Lock()  # released from a follower's thread and from close/GC
         self.run, self.version, self.path = run, version, path
 
     @property
@@ -83,9 +85,12 @@ class Hold:
         return self._fd is not None
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the lock's descriptor once, whichever thread gets here first (a second close of
+        the same number could close a descriptor another thread has since opened)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> Hold:
         return self

@@ -42,7 +42,7 @@ from stitch_core.engine import rpc as rpc_
 from stitch_core.engine.coordinator import Coordinator
 from stitch_core.engine.replica import RankReplica
 from stitch_core.format import fingerprint as fpr
-from stitch_core.serve.gate import NotReady, VersionGate
+from stitch_core.serve.gate import NotReadyError, VersionGate
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.board.serve import BoardHandler, BoardServer, serve
 from stitch_core.versions.follower import Follower
@@ -455,7 +455,7 @@ class Rig:
                 self.errors.append(err)
             try:  # admission, as the API server does it (steps held or not)
                 t = await self.gate.admit()
-            except NotReady:
+            except NotReadyError:
                 self.refused += 1
                 await asyncio.sleep(0.005)
                 continue

@@ -39,8 +39,8 @@ PUBLIC = {
     "stitch_core.format.stp": ["PatchError", "PatchReader", "PatchWriter"],
     "stitch_core.versions.store": ["Step", "VersionError", "fetch_patch", "list_manifests",
                                    "plan", "read_manifest", "write_version"],
-    "stitch_core.versions.board": ["Board", "BoardError", "LatestConflict", "LocalBoard",
-                                   "NotFound", "ReadOnlyBoard", "open_board"],
+    "stitch_core.versions.board": ["Board", "BoardError", "LatestConflictError", "LocalBoard",
+                                   "NotFoundError", "ReadOnlyBoardError", "open_board"],
     "stitch_core.versions.manifest": ["Latest", "Manifest", "ObjectRef", "PULLED_MANIFEST",
                                       "Heartbeat", "GatewayHeartbeat"],
     "stitch_core.versions.materialize": ["apply_patches", "pull"],
@@ -119,11 +119,11 @@ def test_every_error_is_a_stitch_error_and_keeps_its_builtin_base():
     from stitch_core.engine.proof import EngineStateError
     from stitch_core.format.codec import CodecError
     from stitch_core.format.stp import PatchError
-    from stitch_core.versions.board import BoardError, NotFound
+    from stitch_core.versions.board import BoardError, NotFoundError
     from stitch_core.versions.store import VersionError
 
     for cls, builtin in [(PatchError, ValueError), (CodecError, ValueError),
-                         (BoardError, RuntimeError), (NotFound, RuntimeError),
+                         (BoardError, RuntimeError), (NotFoundError, RuntimeError),
                          (VersionError, RuntimeError), (EngineStateError, RuntimeError)]:
         assert issubclass(cls, StitchError) and issubclass(cls, builtin), cls
 

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from stitch_core.versions.board import BoardError, NotFound, ReadOnlyBoard, open_board
+from stitch_core.versions.board import BoardError, NotFoundError, ReadOnlyBoardError, open_board
 from stitch_core.versions.board.http import HttpBoard
 from stitch_core.versions.board.local import LocalBoard
 from stitch_core.versions.board.serve import (
@@ -117,7 +117,7 @@ async def test_get_and_not_found(board, site, srv):
     assert board.url == site["url"]
     assert await board.get(MANIFEST) == b'{"hello": 1}'
     assert await board.get(BIG) == site["data"]
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await board.get(f"{RUN}/versions/000002/manifest.json")
     assert len(srv.log) == 3  # a 404 is not retried
     with pytest.raises(BoardError):
@@ -141,9 +141,9 @@ async def test_read_latest(board, site):
 
 async def test_read_only(board, site, srv):
     assert board.readonly
-    with pytest.raises(ReadOnlyBoard, match="read-only"):
+    with pytest.raises(ReadOnlyBoardError, match="read-only"):
         await board.put(f"{RUN}/versions/000002/x", b"x")
-    with pytest.raises(ReadOnlyBoard):
+    with pytest.raises(ReadOnlyBoardError):
         await board.move_latest(RUN, 1, site["latest"].model_copy(update={"version": 2}))
     assert srv.log == []
 
@@ -229,7 +229,7 @@ async def test_get_file_too_small(board, site, tmp_path):
     with pytest.raises(BoardError, match="expected"):
         await board.get_file(BIG, dest, size=len(site["data"]) + 1)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await board.get_file(f"{RUN}/versions/000001/missing", dest)
     assert list(tmp_path.iterdir()) == []
 
@@ -353,29 +353,29 @@ async def test_get_with_a_size_limit_refuses_before_reading_whole(board, site, s
     """A reader's limit (manifests 64 MiB, `latest` 64 KiB): refused from Content-Length, or
     while streaming when the server sends none, never buffered whole; the local board checks
     the file's size first."""
-    from stitch_core.versions.board.base import TooLarge
+    from stitch_core.versions.board.base import TooLargeError
 
-    with pytest.raises(TooLarge, match="over the 1,000-byte limit"):
+    with pytest.raises(TooLargeError, match="over the 1,000-byte limit"):
         await board.get(BIG, max_bytes=1000)
     srv.faults["no_length"] = True
-    with pytest.raises(TooLarge, match="over the 1,000-byte limit"):
+    with pytest.raises(TooLargeError, match="over the 1,000-byte limit"):
         await board.get(BIG, max_bytes=1000)
     srv.faults["no_length"] = False
     assert await board.get(BIG, max_bytes=len(site["data"])) == site["data"]
     local = LocalBoard(site["root"])
-    with pytest.raises(TooLarge):
+    with pytest.raises(TooLargeError):
         await local.get(BIG, max_bytes=1000)
     assert await local.get(MANIFEST, max_bytes=12) == b'{"hello": 1}'
 
 
 async def test_a_huge_latest_or_manifest_is_refused(tmp_path, monkeypatch):
     from stitch_core.versions import store
-    from stitch_core.versions.board.base import TooLarge
+    from stitch_core.versions.board.base import TooLargeError
 
     b = LocalBoard(tmp_path)
     (tmp_path / RUN).mkdir()
     (tmp_path / latest_key(RUN)).write_bytes(b" " * (65 << 10) + b"{}")
-    with pytest.raises(TooLarge):
+    with pytest.raises(TooLargeError):
         await b.read_latest(RUN)
     await b.put(manifest_key(RUN, 3), b"{" + b" " * 5000 + b"}")
     monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 4096)

@@ -21,7 +21,7 @@ import torch
 from stitch_core.cli.main import main
 from stitch_core.format import fingerprint as fpr
 from stitch_core.node import Settings
-from stitch_core.versions.board import LocalBoard, NotFound, ReadOnlyBoard, open_board
+from stitch_core.versions.board import LocalBoard, NotFoundError, ReadOnlyBoardError, open_board
 from stitch_core.versions.board.http import HttpBoard
 from stitch_core.versions.cache import (
     DEFAULT_MAX_BYTES,
@@ -324,7 +324,7 @@ async def test_gc_refusals(published, tmp_path, capsys):
     rc, _, err = await arun_cli(capsys, "gc", "http://127.0.0.1:9/board", "--run", RUN,
                          "--keep-snapshots", "1")
     assert rc == 1 and "read-only" in err
-    with pytest.raises(ReadOnlyBoard, match="read-only"):
+    with pytest.raises(ReadOnlyBoardError, match="read-only"):
         await HttpBoard("http://127.0.0.1:9/board").delete(manifest_key(RUN, 0))
     # with a trust set, unsigned snapshots do not count: nothing goes
     pub = new_key(tmp_path / "k")
@@ -343,7 +343,7 @@ async def test_local_board_delete(tmp_path):
     await b.delete(key)
     assert not await b.exists(key) and not (tmp_path / "b" / RUN / "versions" / "000001").exists()
     await b.delete(key)  # not there: no error
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await b.get(key)
 
 
@@ -382,7 +382,7 @@ async def test_gc_on_a_nats_board(nats_server, tmp_path):
             for key in [manifest_key(RUN, m.version)] + \
                     [f"{RUN}/versions/{m.version:06d}/{o.path}" for o in m.objects]:
                 assert not await board.exists(key)
-                with pytest.raises(NotFound):
+                with pytest.raises(NotFoundError):
                     await board.get(key)
         await board.delete(manifest_key(RUN, 0))  # not there: no error
         for start in (None, 3, 9):

@@ -1,7 +1,7 @@
 """Manifests, `latest` pointers, announcements and heartbeats are untrusted input (a board or NATS
 anyone may write): whatever bytes arrive, parsing answers a model or a clear error
-(pydantic's ValidationError, a ValueError; VersionError/RefusedVersion through `read_manifest`),
-never another exception, and signature checks never crash on what parsed."""
+(pydantic's ValidationError, a ValueError; VersionError/RefusedVersionError through
+`read_manifest`), never another exception, and signature checks never crash on what parsed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from stitch_core.versions.manifest import (
     manifest_key,
 )
 from stitch_core.versions.store import VersionError, read_latest, read_manifest
-from stitch_core.versions.trust import PublicKey, TrustSet, UntrustedVersion
+from stitch_core.versions.trust import PublicKey, TrustSet, UntrustedVersionError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 RUN = "fz"
@@ -80,7 +80,7 @@ def test_manifest_bytes_parse_or_fail_cleanly(raw):
         return
     assert 0 <= m.version <= MAX_VERSION
     assert all(".." not in o.path and "/" not in o.path for o in m.objects)
-    with contextlib.suppress(UntrustedVersion):
+    with contextlib.suppress(UntrustedVersionError):
         TRUST.check(m, "manifest", "fuzz")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from stitch_core.versions import announce as an
 from stitch_core.versions import nats_conn, streams
-from stitch_core.versions.board import BoardError, LatestConflict, NotFound, open_board
+from stitch_core.versions.board import BoardError, LatestConflictError, NotFoundError, open_board
 from stitch_core.versions.board.nats import CHUNK, NatsBoard, split_url
 from stitch_core.versions.manifest import Announcement, Heartbeat, Latest, manifest_key
 from stitch_core.versions.natsserver import NatsServer, NatsServerError, find_nats_server
@@ -103,9 +103,9 @@ async def test_put_get_roundtrip(board, tmp_path):
     assert (await store.get("r/versions/000001/big.bin")).data == big
     assert await board.exists("r/versions/000001/big.bin")
     assert not await board.exists("r/versions/000001/missing.bin")
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await board.get("r/versions/000001/missing.bin")
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await board.get_file("r/versions/000001/missing.bin", tmp_path / "m")
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.part").exists()
     with pytest.raises(BoardError):
@@ -154,18 +154,18 @@ async def test_list_versions(board):
 async def test_move_latest_cas(board):
     run = "r"
     assert await board.read_latest(run) is None
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(run, 0, _latest(run, 1))  # nothing there yet
     await board.move_latest(run, None, _latest(run, 1))
     assert (await board.read_latest(run)).version == 1
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(run, None, _latest(run, 2))  # it exists now
     await board.move_latest(run, 1, _latest(run, 5))
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(run, 1, _latest(run, 6))  # stale expected
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(run, 5, _latest(run, 4))  # rewind
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(run, 5, _latest(run, 5))  # not forward
     assert await board.read_latest(run) == _latest(run, 5)
     assert await board.read_latest("other") is None
@@ -186,7 +186,7 @@ async def test_move_latest_race_has_one_winner(nats_server, start):
                 b.move_latest("r", expected, _latest("r", base + 2)),
                 return_exceptions=True)
             assert sum(r is None for r in res) == 1, (i, res)
-            assert all(isinstance(r, LatestConflict) for r in res if r is not None)
+            assert all(isinstance(r, LatestConflictError) for r in res if r is not None)
             assert (await b.read_latest("r")).version == base + 1 + res.index(None)
 
 
@@ -346,10 +346,10 @@ async def test_server_restart_keeps_data_and_subscriptions(doomed_server):
 
 
 async def test_get_with_a_size_limit_is_refused_from_the_object_info(board):
-    from stitch_core.versions.board.base import TooLarge
+    from stitch_core.versions.board.base import TooLargeError
 
     await board.put("r/versions/000001/manifest.json", b"x" * 5000)
-    with pytest.raises(TooLarge, match="5,000 bytes"):
+    with pytest.raises(TooLargeError, match="5,000 bytes"):
         await board.get("r/versions/000001/manifest.json", max_bytes=4096)
     assert len(await board.get("r/versions/000001/manifest.json", max_bytes=5000)) == 5000
 

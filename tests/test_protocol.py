@@ -12,7 +12,7 @@ import pytest
 
 from stitch_core.serve import protocol
 from stitch_core.serve.asgi import StitchASGI
-from stitch_core.serve.gate import NotReady, VersionGate
+from stitch_core.serve.gate import NotReadyError, VersionGate
 from stitch_core.serve.metrics import Metrics
 
 RUN = "run-a"
@@ -562,7 +562,7 @@ async def test_status_endpoint():
 
 async def test_gate_admit_release_accounting_without_http():
     gate = VersionGate(RUN)
-    with pytest.raises(NotReady) as ei:
+    with pytest.raises(NotReadyError) as ei:
         await gate.admit(None, None, 0)
     assert ei.value.reason == "not_ready" and ei.value.retry_after >= 1
     gate.set_version(1)
@@ -603,9 +603,9 @@ def test_parse_request():
     assert protocol.parse_request({"X-Stitch-Wait": "1e9"}).wait == protocol.DEFAULT_MAX_WAIT
     assert protocol.parse_request({"X-Stitch-Wait": "50"}, max_wait=10).wait == 10
     assert protocol.parse_request({}) == protocol.VersionRequest()
-    with pytest.raises(protocol.BadRequest):
+    with pytest.raises(protocol.BadRequestError):
         protocol.parse_request([(b"x-stitch-version", b"1"), (b"x-stitch-version", b"2")])
-    with pytest.raises(protocol.BadRequest):
+    with pytest.raises(protocol.BadRequestError):
         protocol.parse_request({"X-Stitch-Wait": "inf"})
 
 
@@ -634,7 +634,7 @@ async def test_metrics_counts_through_the_gate():
     gate.set_version(1)
     gate.set_latest(3)
     await apply(gate, 2)
-    with pytest.raises(NotReady):
+    with pytest.raises(NotReadyError):
         await gate.admit(5, None, 0)
     if metrics_mod.AVAILABLE:
         def value(name):

@@ -1,5 +1,5 @@
 """The version headers are untrusted input: whatever bytes a client sends in them, parsing
-answers a VersionRequest or a BadRequest (a 400), never another exception (a 500)."""
+answers a VersionRequest or a BadRequestError (a 400), never another exception (a 500)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 def test_parse_request_answers_a_request_or_a_bad_request(hs):
     try:
         req = protocol.parse_request(hs)
-    except protocol.BadRequest:
+    except protocol.BadRequestError:
         return
     for v in (req.exact, req.minimum):
         assert v is None or 0 <= v < 2**63

@@ -271,11 +271,11 @@ def test_fallback_board_refuses_writes_and_falls_back_on_not_found(origin, tmp_p
         assert await b.get(f"{RUN}/versions/000001/patch.stp") == b"x"
         assert await b.exists(f"{RUN}/versions/000001/patch.stp")
         assert not await b.exists(f"{RUN}/versions/000009/patch.stp")
-        from stitch_core.versions.board import NotFound, ReadOnlyBoard
+        from stitch_core.versions.board import NotFoundError, ReadOnlyBoardError
 
-        with pytest.raises(NotFound):
+        with pytest.raises(NotFoundError):
             await b.get(f"{RUN}/versions/000009/patch.stp")
-        with pytest.raises(ReadOnlyBoard):
+        with pytest.raises(ReadOnlyBoardError):
             await b.put(f"{RUN}/versions/000001/x", b"y")
         await b.close()
 

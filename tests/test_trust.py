@@ -28,7 +28,7 @@ from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Latest, Manifest, manifest_key
 from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.store import (
-    RefusedVersion,
+    RefusedVersionError,
     VersionError,
     now,
     object_ref,
@@ -40,7 +40,7 @@ from stitch_core.versions.trust import (
     SigningKey,
     TrustError,
     TrustSet,
-    UntrustedVersion,
+    UntrustedVersionError,
     new_key,
 )
 from stitch_trainer.publisher import Publisher
@@ -154,7 +154,8 @@ async def test_every_version_and_latest_are_signed(signed_board, keys):
     both = TrustSet.parse([f"{keys['rotated']}.pub", f"{keys['trainer']}.pub"])
     assert (await read_manifest(board, RUN, 2, both)).version == 2
     other = TrustSet.parse([f"{keys['rotated']}.pub"])
-    with pytest.raises(RefusedVersion, match=rf"{RUN} v2 is signed by key {kid}, which is not"):
+    with pytest.raises(RefusedVersionError,
+                       match=rf"{RUN} v2 is signed by key {kid}, which is not"):
         await read_manifest(board, RUN, 2, other)
 
 
@@ -176,16 +177,16 @@ def test_signature_covers_every_field_and_is_bound_to_its_kind(signed_board, key
     }
     for field, value in edits.items():
         edited = m.model_copy(update={field: value})
-        with pytest.raises(UntrustedVersion):
+        with pytest.raises(UntrustedVersionError):
             ts.check(edited, "manifest", "v2")
     # a manifest's signature does not sign a `latest`, and the other way round
     latest = Latest(run=RUN, version=2, kind="patch", updated=now(), signed_by=m.signed_by,
                     signature=m.signature)
-    with pytest.raises(UntrustedVersion, match="does not match"):
+    with pytest.raises(UntrustedVersionError, match="does not match"):
         ts.check(latest, "latest", "latest")
     signed_latest = _signed(keys, "trainer").sign(latest, "latest")
     assert ts.check(signed_latest, "latest", "latest")
-    with pytest.raises(UntrustedVersion, match="does not match"):
+    with pytest.raises(UntrustedVersionError, match="does not match"):
         ts.check(m.model_copy(update={"signature": signed_latest.signature}), "manifest", "v2")
     # a stored manifest re-serialised in another key order / indentation still verifies
     raw = json.loads(m.model_dump_json())
@@ -245,7 +246,7 @@ async def test_follower_refuses_forgeries_and_keeps_its_version(signed_board, ke
         if attack != "edited_after_signing":  # (an edited one is still well-formed)
             assert await nf.sync() == 4
             assert (naive.tensors["layers.0.weight"].view(-1)[:7] == 1000).all()
-    with pytest.raises(RefusedVersion) as e:
+    with pytest.raises(RefusedVersionError) as e:
         await f.sync()
     reason = str(e.value)
     want = {"unsigned": "unsigned", "untrusted_key": f"key {_signed(keys, 'attacker').id}",
@@ -268,7 +269,7 @@ async def test_forged_latest_pointer_moves_nothing(signed_board, keys, tmp_path)
     assert await f.sync() == 3
     forged = Latest(run=RUN, version=10**15, kind="patch", updated=now())
     (board_dir / RUN / "latest").write_text(forged.model_dump_json())
-    with pytest.raises(RefusedVersion, match="latest .* unsigned"):
+    with pytest.raises(RefusedVersionError, match="latest .* unsigned"):
         await f.sync()
     assert f.version == 3 and f.latest == 3
     # replaying an older signed `latest` moves nothing either: latest only moves forward
@@ -289,7 +290,7 @@ async def test_refused_version_replaced_by_a_signed_one_is_followed(signed_board
                  on_refused=lambda v, why: told.append((v, why)))
     assert await f.sync() == 3
     _forge_next(board_dir, views, tmp_path, None)
-    with pytest.raises(RefusedVersion):
+    with pytest.raises(RefusedVersionError):
         await f.sync()
     # the operator re-publishes v4 signed (here: the same bytes, signed by the trainer's key)
     m = Manifest.model_validate_json((board_dir / RUN / "versions/000004/manifest.json")
@@ -316,7 +317,7 @@ async def test_unsigned_board_without_trust_set_works_as_before(tmp_path):
     replica = MemoryReplica()
     async with Follower(str(tmp_path / "board"), RUN, replica, cache_dir=tmp_path / "c") as f:
         assert await f.sync() == 1
-    with pytest.raises(RefusedVersion, match="unsigned"):
+    with pytest.raises(RefusedVersionError, match="unsigned"):
         await read_manifest(board, RUN, 1, TrustSet.parse([PublicKey(b"\x01" * 32).text]))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stitch_core.format import fingerprint as fpr
-from stitch_core.versions.board import LatestConflict, LocalBoard, NotFound
+from stitch_core.versions.board import LatestConflictError, LocalBoard, NotFoundError
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.manifest import Latest, manifest_key
 from stitch_core.versions.materialize import pull
@@ -188,7 +188,7 @@ async def test_missing_and_corrupt_objects_apply_nothing(published, tmp_path):
     assert f.version == 20 and f.state == "catching_up" and _equal(replica.tensors, views[20])
     assert not list((tmp_path / "c").rglob("patch.stp"))  # nothing bad left in the cache
     patch21.unlink()
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFoundError):
         await f.catch_up(21)
     assert f.version == 20 and _equal(replica.tensors, views[20])
     await f.stop()
@@ -210,17 +210,17 @@ async def test_patch_that_fails_verification_is_undone(published, tmp_path):
 
 async def test_latest_never_rewinds(published, tmp_path):
     board = LocalBoard(_copy_board(published[0], tmp_path / "b"))
-    with pytest.raises(LatestConflict):
+    with pytest.raises(LatestConflictError):
         await board.move_latest(RUN, N_VERSIONS - 1,
                                 Latest(run=RUN, version=3, kind="patch", updated=now()))
-    with pytest.raises(LatestConflict):  # stale expectation: a racing writer
+    with pytest.raises(LatestConflictError):  # stale expectation: a racing writer
         await board.move_latest(RUN, 5, Latest(run=RUN, version=99, kind="patch", updated=now()))
     results = await asyncio.gather(*[
         board.move_latest(RUN, N_VERSIONS - 1, Latest(run=RUN, version=N_VERSIONS + i,
                                                       kind="patch", updated=now()))
         for i in range(2)], return_exceptions=True)
     assert sum(r is None for r in results) == 1
-    assert sum(isinstance(r, LatestConflict) for r in results) == 1
+    assert sum(isinstance(r, LatestConflictError) for r in results) == 1
 
 
 def test_publisher_resumes_a_run_with_a_snapshot(published, tmp_path):

@@ -26,7 +26,7 @@ from stitch_core.format.stp import PatchReader
 from stitch_core.versions.materialize import apply_patches, remove, replace, tmp_sibling
 
 
-class CliError(StitchError):
+class CliError(StitchError, RuntimeError):
     """Raised for a command-line request that cannot be carried out."""
 
 

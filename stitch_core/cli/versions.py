@@ -14,7 +14,7 @@ from stitch_core.versions.board import open_board
 from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.materialize import default_cache_dir, pull
 from stitch_core.versions.retention import GcReport, gc
-from stitch_core.versions.store import RefusedVersion, check_signed, list_manifests
+from stitch_core.versions.store import RefusedVersionError, check_signed, list_manifests
 
 __all__ = ["add_parsers"]
 
@@ -117,7 +117,7 @@ def _trusted(m: Manifest, trust) -> bool | str:
     """True if the trust set accepts `m`'s signature, else the reason it does not."""
     try:
         check_signed(m, trust)
-    except RefusedVersion as e:
+    except RefusedVersionError as e:
         return str(e)
     return True
 

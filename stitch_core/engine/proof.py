@@ -40,7 +40,7 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.settings import LOAD_TIMEOUT, RPC_TIMEOUT
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.store import RefusedVersion, check_signed
+from stitch_core.versions.store import RefusedVersionError, check_signed
 from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.engine")
@@ -152,7 +152,7 @@ class HeldState:
                     "from `stitch pull --trust ...` output): nothing signed to prove it against")
             try:
                 kid = check_signed(m, trust)
-            except RefusedVersion as e:
+            except RefusedVersionError as e:
                 raise EngineStateError(f"refusing to serve {model_dir}: {e}") from None
             log.info("stitch: %s v%d in %s is signed by trusted key %s", m.run, m.version,
                      model_dir, kid)

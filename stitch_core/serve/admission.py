@@ -15,7 +15,7 @@ headers included), so it is checked before it reaches the routing table:
   range, no user info, query or fragment; and, with an allow-list (``--engine-url-allow``), its
   host is listed.
 
-Anything else raises `HeartbeatRejected` with the reason (the gateway logs it and keeps the
+Anything else raises `HeartbeatRejectedError` with the reason (the gateway logs it and keeps the
 engine's previous state). No I/O here.
 """
 
@@ -36,7 +36,7 @@ MAX_CLOCK_SKEW = 30.0  # seconds a heartbeat's claimed time may be ahead of the 
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class HeartbeatRejected(StitchError, ValueError):
+class HeartbeatRejectedError(StitchError, ValueError):
     """A heartbeat the gateway does not believe (the message says why)."""
 
 
@@ -96,38 +96,38 @@ def _address(host: str) -> str | None:
 
 
 def engine_url(url: str, allow: UrlAllowList | None = None) -> httpx.URL:
-    """`url` parsed as an engine's base URL, or HeartbeatRejected. Requests go to its scheme,
+    """`url` parsed as an engine's base URL, or HeartbeatRejectedError. Requests go to its scheme,
     host, port and path prefix with the client's path and query appended (never by joining
     strings), so anything else in it is refused."""
     try:
         u = httpx.URL(url)
         port = u.port
     except (httpx.InvalidURL, ValueError, TypeError) as e:
-        raise HeartbeatRejected(f"engine URL {url!r} is malformed: {e}") from e
+        raise HeartbeatRejectedError(f"engine URL {url!r} is malformed: {e}") from e
     if u.scheme not in ("http", "https"):
-        raise HeartbeatRejected(f"engine URL {url!r}: not http or https")
+        raise HeartbeatRejectedError(f"engine URL {url!r}: not http or https")
     if not u.host:
-        raise HeartbeatRejected(f"engine URL {url!r}: no host")
+        raise HeartbeatRejectedError(f"engine URL {url!r}: no host")
     if u.userinfo:
-        raise HeartbeatRejected(f"engine URL {url!r}: user info is not allowed")
+        raise HeartbeatRejectedError(f"engine URL {url!r}: user info is not allowed")
     if u.query or u.fragment:
-        raise HeartbeatRejected(f"engine URL {url!r}: a query or fragment is not allowed")
+        raise HeartbeatRejectedError(f"engine URL {url!r}: a query or fragment is not allowed")
     if port is not None and not 0 < port < 65536:
-        raise HeartbeatRejected(f"engine URL {url!r}: port out of range")
+        raise HeartbeatRejectedError(f"engine URL {url!r}: port out of range")
     if allow and not allow.allows(u.host):
-        raise HeartbeatRejected(f"engine URL {url!r}: host {u.host} is not in the allow-list "
+        raise HeartbeatRejectedError(f"engine URL {url!r}: host {u.host} is not in the allow-list "
                                 "(--engine-url-allow)")
     return u
 
 
 def parse_heartbeat(data: bytes) -> Heartbeat:
-    """A heartbeat message's body, or HeartbeatRejected (oversized, malformed)."""
+    """A heartbeat message's body, or HeartbeatRejectedError (oversized, malformed)."""
     if len(data) > MAX_HEARTBEAT_BYTES:
-        raise HeartbeatRejected(f"{len(data)} bytes (limit {MAX_HEARTBEAT_BYTES})")
+        raise HeartbeatRejectedError(f"{len(data)} bytes (limit {MAX_HEARTBEAT_BYTES})")
     try:
         return Heartbeat.model_validate_json(data)
     except ValueError as e:
-        raise HeartbeatRejected(f"malformed: {str(e).splitlines()[0]}") from e
+        raise HeartbeatRejectedError(f"malformed: {str(e).splitlines()[0]}") from e
 
 
 @dataclass(frozen=True)
@@ -150,15 +150,15 @@ class Admission:
 
     def admit(self, subject: str, hb: Heartbeat, now: float | None = None) -> Admitted:
         """`hb` as it arrived on `subject` at `now` (epoch seconds; for a stored heartbeat the
-        time the server stored it), or HeartbeatRejected."""
+        time the server stored it), or HeartbeatRejectedError."""
         if hb.run != self.run:
-            raise HeartbeatRejected(f"of run {hb.run!r}, not {self.run!r}")
+            raise HeartbeatRejectedError(f"of run {hb.run!r}, not {self.run!r}")
         if not speaks_for(self.run, subject, hb.id):
-            raise HeartbeatRejected(f"claims id {hb.id!r}, which is not the id of its subject "
+            raise HeartbeatRejectedError(f"claims id {hb.id!r}, which is not the id of its subject "
                                     "(a heartbeat speaks only for its own subject)")
         now = time.time() if now is None else now
         if hb.time > now + self.max_skew:
-            raise HeartbeatRejected(f"claims a time {hb.time - now:.0f} s in the future (more "
+            raise HeartbeatRejectedError(f"claims a time {hb.time - now:.0f} s in the future (more "
                                     f"than the {self.max_skew:g} s clock skew allowed)")
         base = engine_url(hb.url, self.allow) if hb.url is not None else None
         return Admitted(hb, subject.rsplit(".", 1)[-1], base)

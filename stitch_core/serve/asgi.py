@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 
+from stitch_core.errors import StitchError
 from stitch_core.serve import protocol
 from stitch_core.serve.asgi_types import (
     ASGIApp,
@@ -30,7 +31,7 @@ from stitch_core.serve.asgi_types import (
     send_json,
     without_headers,
 )
-from stitch_core.serve.gate import NotReady, VersionGate
+from stitch_core.serve.gate import NotReadyError, VersionGate
 from stitch_core.serve.route_table import WEBSOCKET, Route, RouteTable
 from stitch_core.serve.stamping import Exchange, error_body
 from stitch_core.settings import Settings
@@ -40,7 +41,7 @@ log = logging.getLogger("stitch.asgi")
 GateSource = VersionGate | Callable[[], VersionGate | None]
 
 
-class BodyTooLarge(ValueError):
+class BodyTooLargeError(StitchError, ValueError):
     """A version-controlled request's body is over the middleware's limit (answered 413)."""
 
 
@@ -165,13 +166,13 @@ class StitchASGI:
         try:
             req = protocol.parse_request(scope.get("headers", []), gate.max_wait)
             if req.exact is not None or req.minimum is not None:
-                raise protocol.BadRequest(
+                raise protocol.BadRequestError(
                     f"{route.path} generates but its answers cannot be stamped: it takes no "
                     f"{protocol.VERSION_HEADER} / {protocol.MIN_VERSION_HEADER}")
             gate.release(await gate.admit())  # refused while no version is proven
-        except protocol.BadRequest as e:
+        except protocol.BadRequestError as e:
             status, body = 400, protocol.bad_request_body(str(e))
-        except NotReady as e:
+        except NotReadyError as e:
             status, body = 409, e.body
             extra = [(b"retry-after", str(e.retry_after).encode())]
         if not status:
@@ -198,13 +199,13 @@ class StitchASGI:
         run_header = protocol.response_headers(gate.run, None, None)
         try:
             req = protocol.parse_request(scope.get("headers", []), gate.max_wait)
-        except protocol.BadRequest as e:
+        except protocol.BadRequestError as e:
             await send_json(send, 400, error_body(route.dialect, protocol.bad_request_body(
                 str(e))), run_header)
             return
         try:
             ticket = await gate.admit(req.exact, req.minimum, req.wait)
-        except NotReady as e:
+        except NotReadyError as e:
             await send_json(send, 409, error_body(route.dialect, e.body), [
                 (b"retry-after", str(e.retry_after).encode()), *run_header])
             return
@@ -215,7 +216,7 @@ class StitchASGI:
                 try:
                     scope, receive, body = await self._salted(scope, receive, gate.run,
                                                               ticket.start, salt)
-                except BodyTooLarge as e:
+                except BodyTooLargeError as e:
                     await send_json(send, 413, protocol.bad_request_body(str(e)), run_header)
                     return
                 if route.dialect == "responses" and _background(body):
@@ -250,7 +251,7 @@ class StitchASGI:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:
-                raise BodyTooLarge(f"request body over {self.max_body:,} bytes (the most this "
+                raise BodyTooLargeError(f"request body over {self.max_body:,} bytes (the most this "
                                    "server reads to version-control a request; "
                                    "STITCH_MAX_BODY_BYTES)")
             if not msg.get("more_body", False):

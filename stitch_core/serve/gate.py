@@ -50,7 +50,7 @@ MODES: tuple[str, ...] = ("immediate", "drain")
 REFUSED_KEPT = 16  # refused versions remembered by a gate (newest)
 
 
-class NotReady(StitchError):
+class NotReadyError(StitchError, RuntimeError):
     """A request the gate cannot serve: answer HTTP 409 with `body` and ``Retry-After``."""
 
     def __init__(self, body: dict, retry_after: int):
@@ -278,7 +278,7 @@ class VersionGate:
     # ----- request side -----
 
     def _refuse(self, reason: protocol.Reason, wanted: int | None,
-                retry_after: int | None = None) -> NotReady:
+                retry_after: int | None = None) -> NotReadyError:
         message = None
         if reason == "refused" and wanted in self.refused:
             said = protocol.describe(reason, serving=self.version, wanted=wanted,
@@ -292,7 +292,7 @@ class VersionGate:
                 retry_after = min(30, math.ceil(self.last_apply_seconds))
         self.not_ready_count += 1
         self.metrics.not_ready()
-        return NotReady(body, retry_after)
+        return NotReadyError(body, retry_after)
 
     def _check(self, exact: int | None, minimum: int | None
                ) -> tuple[Literal["ok", "wait", "refuse"], protocol.Reason | None]:
@@ -319,7 +319,7 @@ class VersionGate:
         """Admit a request wanting exactly `exact`, or `minimum` or newer, or (neither) any
         version; wait up to `wait` seconds for the engine to get there (asking `catch_up`).
 
-        Raises NotReady (count it as a 409) when it cannot be served.
+        Raises NotReadyError (count it as a 409) when it cannot be served.
         """
         if exact is not None and minimum is not None:
             raise ValueError("give exact or minimum, not both")
@@ -405,7 +405,7 @@ class VersionGate:
             return ticket.moved or ticket.end != ticket.exact or ticket.start != ticket.exact
         return ticket.gen != self._gen or self._mutating is not None
 
-    def version_changed(self, ticket: Ticket) -> NotReady:
+    def version_changed(self, ticket: Ticket) -> NotReadyError:
         """The 409 for a violated exact-pinned request (reason ``version_changed``); counted."""
         return self._refuse("version_changed", ticket.exact)
 

@@ -31,9 +31,14 @@ from typing import Any
 import httpx
 
 from stitch_core.serve import protocol, proxy
-from stitch_core.serve.admission import Admission, HeartbeatRejected, UrlAllowList, parse_heartbeat
+from stitch_core.serve.admission import (
+    Admission,
+    HeartbeatRejectedError,
+    UrlAllowList,
+    parse_heartbeat,
+)
 from stitch_core.serve.asgi_types import Receive, Scope, Send, send_json
-from stitch_core.serve.proxy import ClientGone
+from stitch_core.serve.proxy import ClientGoneError
 from stitch_core.serve.routing import (
     DEFAULT_MAX_ENGINES,
     DEFAULT_TTL,
@@ -153,7 +158,7 @@ class Gateway:
     async def _on_heartbeat(self, msg: Any) -> None:
         try:
             hb = parse_heartbeat(msg.data)
-        except HeartbeatRejected as e:
+        except HeartbeatRejectedError as e:
             self._rejected(msg.subject, e)
             return
         self.heartbeat(msg.subject, hb)
@@ -163,7 +168,7 @@ class Gateway:
         """Admit `hb` (arrived on `subject`) and put it in the table; False if rejected."""
         try:
             admitted = self.admission.admit(subject, hb, now)
-        except HeartbeatRejected as e:
+        except HeartbeatRejectedError as e:
             self._rejected(subject, e)
             return False
         self.table.observe(admitted, age=age, seq=seq)
@@ -232,7 +237,7 @@ class Gateway:
             self.in_flight += 1
             try:
                 await self.proxy(scope, receive, send)
-            except ClientGone as e:
+            except ClientGoneError as e:
                 log.info("gateway: %s %s: %s", method, path[:200], e)
             finally:
                 self.in_flight -= 1
@@ -258,7 +263,8 @@ class Gateway:
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request: pick an engine (waiting if allowed), retry 409s elsewhere, stream back.
-        Raises ClientGone when the client left (whatever was waiting or in flight cancelled)."""
+        Raises ClientGoneError when the client left (whatever was waiting or in flight
+        cancelled)."""
         run_header = protocol.response_headers(self.run, None, None)
         anthropic = scope.get("path", "").startswith("/v1/messages")
         target = proxy.origin_target(scope)
@@ -269,7 +275,7 @@ class Gateway:
             return
         try:
             req = protocol.parse_request(scope.get("headers", []), self.max_wait)
-        except protocol.BadRequest as e:
+        except protocol.BadRequestError as e:
             await send_json(send, 400, _dialect(anthropic, protocol.bad_request_body(str(e))),
                             run_header)
             return

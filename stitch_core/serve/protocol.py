@@ -61,7 +61,7 @@ Reason = Literal["not_ready", "behind", "passed", "draining", "applying", "versi
 """
 
 
-class BadRequest(StitchError, ValueError):
+class BadRequestError(StitchError, ValueError):
     """Malformed Stitch request headers (answered with HTTP 400)."""
 
 
@@ -99,7 +99,7 @@ def _header_values(headers: HeaderSource, name: str) -> list[str]:
 def _one(headers: HeaderSource, name: str) -> str | None:
     values = {v.strip() for v in _header_values(headers, name)}
     if len(values) > 1:
-        raise BadRequest(f"{name} given more than once with different values")
+        raise BadRequestError(f"{name} given more than once with different values")
     return values.pop() if values else None
 
 
@@ -117,7 +117,8 @@ def parse_version(value: str, name: str = VERSION_HEADER) -> int:
     is a 400, never a server error)."""
     s = value.strip()
     if not s.isascii() or not s.isdigit() or len(s) > MAX_VERSION_DIGITS or int(s) >= 2**63:
-        raise BadRequest(f"{name} must be a non-negative integer below 2**63, got {_shown(value)}")
+        raise BadRequestError(
+            f"{name} must be a non-negative integer below 2**63, got {_shown(value)}")
     return int(s)
 
 
@@ -126,10 +127,10 @@ def parse_wait(value: str, max_wait: float = DEFAULT_MAX_WAIT) -> float:
     try:
         wait = float(value.strip())
     except ValueError:
-        raise BadRequest(f"{WAIT_HEADER} must be a number of seconds, got {_shown(value)}") \
+        raise BadRequestError(f"{WAIT_HEADER} must be a number of seconds, got {_shown(value)}") \
             from None
     if not math.isfinite(wait) or wait < 0:
-        raise BadRequest(f"{WAIT_HEADER} must be a finite non-negative number, got "
+        raise BadRequestError(f"{WAIT_HEADER} must be a finite non-negative number, got "
                          f"{_shown(value)}")
     return min(wait, max_wait)
 
@@ -137,7 +138,7 @@ def parse_wait(value: str, max_wait: float = DEFAULT_MAX_WAIT) -> float:
 def parse_request(headers: HeaderSource, max_wait: float = DEFAULT_MAX_WAIT) -> VersionRequest:
     """Read the Stitch request headers (a mapping, or ASGI's list of (bytes, bytes) pairs).
 
-    Raises :class:`BadRequest` for both version headers at once, a non-integer or negative
+    Raises :class:`BadRequestError` for both version headers at once, a non-integer or negative
     version, a malformed or negative wait, or a header repeated with different values.
     """
     headers = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
@@ -145,7 +146,7 @@ def parse_request(headers: HeaderSource, max_wait: float = DEFAULT_MAX_WAIT) -> 
     min_s = _one(headers, MIN_VERSION_HEADER)
     wait_s = _one(headers, WAIT_HEADER)
     if exact_s is not None and min_s is not None:
-        raise BadRequest(f"give {VERSION_HEADER} or {MIN_VERSION_HEADER}, not both")
+        raise BadRequestError(f"give {VERSION_HEADER} or {MIN_VERSION_HEADER}, not both")
     exact = parse_version(exact_s, VERSION_HEADER) if exact_s is not None else None
     minimum = parse_version(min_s, MIN_VERSION_HEADER) if min_s is not None else None
     wait = parse_wait(wait_s, max_wait) if wait_s is not None else 0.0
@@ -244,7 +245,7 @@ class StitchInfo(BaseModel):
         return self.version_start is not None and self.version_start == self.version_end
 
 
-class NotReadyError(BaseModel):
+class NotReadyBody(BaseModel):
     """The ``"error"`` object of an HTTP 409 (or of an SSE error event) from a Stitch engine."""
 
     model_config = ConfigDict(extra="allow")
@@ -263,9 +264,9 @@ def parse_stitch(body: Mapping[str, Any]) -> StitchInfo | None:
     return StitchInfo.model_validate(field) if isinstance(field, Mapping) else None
 
 
-def parse_not_ready(body: Mapping[str, Any]) -> NotReadyError | None:
+def parse_not_ready(body: Mapping[str, Any]) -> NotReadyBody | None:
     """The 409 error of a JSON answer or SSE error event, if it is one."""
     err = body.get("error")
     if isinstance(err, Mapping) and err.get("type") == NOT_READY_TYPE:
-        return NotReadyError.model_validate(err)
+        return NotReadyBody.model_validate(err)
     return None

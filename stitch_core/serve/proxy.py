@@ -11,7 +11,7 @@ Kept apart so that each rule of a correct proxy is in one place:
   (`end_to_end`);
 * a body is read whole only up to a cap (`read_capped`): a 409 small enough to be a Stitch
   refusal is parsed, a larger one is relayed as any answer;
-* a client that leaves is noticed at every await (`ClientGone`, `until_gone`), so waits end and
+* a client that leaves is noticed at every await (`ClientGoneError`, `until_gone`), so waits end and
   upstream requests are cancelled (their connection closed: the engine aborts the generation).
 """
 
@@ -42,7 +42,7 @@ REQUEST_OWN = frozenset({b"host", b"content-length", protocol.WAIT_HEADER.lower(
 RESPONSE_OWN = frozenset({b"date", b"server"})
 
 
-class ClientGone(StitchError, ConnectionError):
+class ClientGoneError(StitchError, ConnectionError):
     """The client disconnected before its answer was complete."""
 
 
@@ -139,12 +139,12 @@ def bearer_ok(scope: Scope, key: str | None) -> bool:
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body (kept to resend it to another engine), None if over `limit`;
-    ClientGone if the client left first."""
+    ClientGoneError if the client left first."""
     parts, size = [], 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            raise ClientGone("the client left while sending its request")
+            raise ClientGoneError("the client left while sending its request")
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -163,7 +163,7 @@ async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
 
 async def until_gone(aw: Awaitable[_T], gone: asyncio.Event) -> _T:
     """`aw`'s result, unless the client leaves first: then `aw` is cancelled (an upstream
-    request with it: its connection is closed) and ClientGone raised."""
+    request with it: its connection is closed) and ClientGoneError raised."""
     task = asyncio.ensure_future(aw)
     waiter = asyncio.ensure_future(gone.wait())
     try:
@@ -180,4 +180,4 @@ async def until_gone(aw: Awaitable[_T], gone: asyncio.Event) -> _T:
         late = await task  # finished as it was cancelled: a response to close
         if isinstance(late, httpx.Response):
             await late.aclose()
-    raise ClientGone("the client left")
+    raise ClientGoneError("the client left")

@@ -14,7 +14,7 @@ Anthropic; `stitch_core.serve.route_table.Dialect`):
 
 A request pinned to an exact version whose version changes before the answer is complete gets a
 409 (before the first byte) or its stream cut with a ``version_changed`` error event, and the app
-is told the client went away (`StreamStopped`).
+is told the client went away (`StreamStoppedError`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from stitch_core.errors import StitchError
 from stitch_core.serve import protocol
 from stitch_core.serve.asgi_types import Message, Receive, Send, send_json, without_headers
 from stitch_core.serve.gate import Ticket, VersionGate
@@ -37,7 +38,7 @@ _COPIED = ("id", "object", "created", "model", "request_id")
 _NDJSON = ("application/x-ndjson", "application/jsonl", "application/json-seq")
 
 
-class StreamStopped(OSError):
+class StreamStoppedError(StitchError, OSError):
     """Raised to the inner app from `send` once the middleware ended its response, as a client
     disconnect is signalled under ASGI spec 2.4 (frameworks then cancel the generation)."""
 
@@ -82,7 +83,8 @@ class Exchange:
     Once the middleware has ended a response itself (`stopped`), the app is told the client went
     away, the way its ASGI spec version says: `receive` answers ``http.disconnect`` (spec < 2.4:
     Starlette's disconnect listener then cancels the stream at its current await) and, under spec
-    2.4, `send` raises :class:`StreamStopped` (an OSError); otherwise further sends are dropped.
+    2.4, `send` raises :class:`StreamStoppedError` (an OSError); otherwise further sends are
+    dropped.
     """
 
     def __init__(self, gate: VersionGate, ticket: Ticket, send: Send,
@@ -135,7 +137,7 @@ class Exchange:
     async def send(self, message: Message) -> None:
         if self.stopped:
             if self._raise_on_send:
-                raise StreamStopped("the Stitch middleware ended this response")
+                raise StreamStoppedError("the Stitch middleware ended this response")
             return
         kind = message["type"]
         if kind == "http.response.start":
@@ -283,14 +285,14 @@ class Exchange:
 
     async def _cut(self) -> None:
         """End the stream with the version_changed error (then [DONE] where the dialect has it);
-        the app's further sends raise StreamStopped."""
+        the app's further sends raise StreamStoppedError."""
         self.gate.release(self.ticket)
         e = self.gate.version_changed(self.ticket)
         self._stopping()
         body = self._cut_events(e.body)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
         if self._raise_on_send:
-            raise StreamStopped("exact-pinned version changed mid-stream")
+            raise StreamStoppedError("exact-pinned version changed mid-stream")
 
     async def _lines_body(self, message: Message) -> None:
         """An NDJSON stream: lines pass as they come; the ``"done": true`` line gets the

@@ -23,13 +23,13 @@ from typing import Literal
 
 from stitch_core.settings import RECONCILE_INTERVAL
 from stitch_core.versions.board import Board, open_board
-from stitch_core.versions.board.base import NotFound
+from stitch_core.versions.board.base import NotFoundError
 from stitch_core.versions.cache import DEFAULT_MAX_BYTES, CacheUse, prune
 from stitch_core.versions.manifest import Announcement, Heartbeat, check_run
 from stitch_core.versions.materialize import default_cache_dir
 from stitch_core.versions.state import engine_state, lag
 from stitch_core.versions.store import (
-    RefusedVersion,
+    RefusedVersionError,
     Step,
     VersionError,
     fetch_object,
@@ -183,7 +183,7 @@ class Follower:
         v = max(self.refused)
         return {"version": v, "reason": self.refused[v]}
 
-    def _refuse(self, version: int, err: RefusedVersion) -> None:
+    def _refuse(self, version: int, err: RefusedVersionError) -> None:
         """`version` is not accepted by the trust set: logged and told once; nothing applied."""
         if self.refused.get(version) == str(err):
             return
@@ -296,7 +296,7 @@ class Follower:
                     self.last_error = str(e)
                 if self.error_since is None:
                     self.error_since = time.time()
-                if not isinstance(e, RefusedVersion):  # refusals are logged once (_refuse)
+                if not isinstance(e, RefusedVersionError):  # refusals are logged once (_refuse)
                     log.warning("follower %s: %s", self.id, e)
             else:  # the board was read and everything on it applied: healthy again
                 self.last_error = self.error_since = None
@@ -325,13 +325,13 @@ class Follower:
         believed only once its manifest is read back), catch up to it. The version now held."""
         try:
             latest = await read_latest(self.board, self.run, self.trust)
-        except RefusedVersion as e:  # an unsigned or foreign-signed pointer: believe nothing
+        except RefusedVersionError as e:  # an unsigned or foreign-signed pointer: believe nothing
             self._refuse(e.version, e)
             raise
         if latest is not None and (self.latest is None or latest.version > self.latest):
             try:
                 m = await read_manifest(self.board, self.run, latest.version, self.trust)
-            except RefusedVersion as e:
+            except RefusedVersionError as e:
                 self._refuse(e.version, e)
                 raise
             if self.refused.pop(m.version, None) is not None and self.on_refused is not None:
@@ -433,7 +433,7 @@ class Follower:
     def _failed(self, step: Step, err: BaseException) -> None:
         """Count a failure of `step` that is the object's fault (missing, bytes that do not
         match, a patch the target refuses); at BAD_AFTER the version is routed around."""
-        if step.kind != "patch" or not isinstance(err, NotFound | VersionError | ValueError):
+        if step.kind != "patch" or not isinstance(err, NotFoundError | VersionError | ValueError):
             return  # an outage, a rank that failed or hung: not the object's fault
         if step.span is not None:  # the chain it squashes is the way around: no second try
             self.avoid_spans[(step.span.base, step.span.version)] = time.monotonic()

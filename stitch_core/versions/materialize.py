@@ -144,7 +144,7 @@ def replace(tmp: Path, out: Path, force: bool) -> None:
     os.replace(tmp, out)
 
 
-class RollbackRefused(VersionError):
+class RollbackRefusedError(VersionError):
     """`pull` of `latest` into a directory that holds a newer pulled version of the same run:
     a stale board or relay (its `latest` behind, however well signed) must not roll it back."""
 
@@ -160,10 +160,10 @@ def pulled_version(out: Path, run: str) -> int | None:
 
 
 def check_not_back(out: Path, run: str, version: int) -> None:
-    """RollbackRefused if `out` holds a version of `run` newer than `version`."""
+    """RollbackRefusedError if `out` holds a version of `run` newer than `version`."""
     held = pulled_version(out, run)
     if held is not None and version < held:
-        raise RollbackRefused(
+        raise RollbackRefusedError(
             f"{out} holds {run} v{held} and the board's latest is v{version} (a stale board or "
             f"relay?): not rolling it back; name --version {version} to go back on purpose")
 
@@ -189,10 +189,10 @@ async def pull(
     trust: TrustSet | None = None,
 ) -> Manifest:
     """Materialise `version` (None: latest) of `run` as an HF directory at `out`. With a trust
-    set, `latest` and every manifest used must be signed by one of its keys (RefusedVersion
+    set, `latest` and every manifest used must be signed by one of its keys (RefusedVersionError
     before anything is fetched or written). Never backwards unless asked: when `version` is None
-    and `out` holds a newer pulled version of `run`, RollbackRefused (even with `force`), before
-    anything is fetched, and again just before `out` is replaced."""
+    and `out` holds a newer pulled version of `run`, RollbackRefusedError (even with `force`),
+    before anything is fetched, and again just before `out` is replaced."""
     back_ok = version is not None  # an explicit version may be an older one, on purpose
     if version is None:
         latest = await read_latest(board, run, trust)

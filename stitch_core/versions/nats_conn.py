@@ -48,7 +48,7 @@ class NatsConfigError(StitchError, ValueError):
     are incomplete (a client certificate without its key)."""
 
 
-class TLSRequiredError(nats.errors.Error):
+class TLSRequiredError(StitchError, nats.errors.Error, ConnectionError):
     """TLS was asked for but the server offers only plain text."""
 
 

@@ -17,7 +17,7 @@ snapshots signed by one of its keys count, so followers that trust only those ke
 snapshot they accept.
 
 A version is deleted manifest first (no reader finds a manifest whose objects are gone; a
-follower that read it just before gets NotFound for an object, and re-plans on its next tick),
+follower that read it just before gets NotFoundError for an object, and re-plans on its next tick),
 then the objects its manifest lists, then its squashed spans (documents first), then whatever
 else the board lists in its directory. The board's listing is the truth (`Board.list_keys`; a
 local directory and a NATS board list): a version directory below the cut is emptied whether or
@@ -33,7 +33,7 @@ import logging
 
 from pydantic import BaseModel, ValidationError
 
-from stitch_core.versions.board.base import Board, BoardError, NotFound, ReadOnlyBoard
+from stitch_core.versions.board.base import Board, BoardError, NotFoundError, ReadOnlyBoardError
 from stitch_core.versions.manifest import (
     Manifest,
     check_run,
@@ -85,7 +85,7 @@ async def _newest_snapshots(board: Board, run: str, latest: int, k: int,
     while v is not None and len(snaps) < k:
         try:
             m = await read_manifest(board, run, v, trust)
-        except (NotFound, VersionError) as e:
+        except (NotFoundError, VersionError) as e:
             return snaps, f"the chain of latest breaks at v{v}: {e}"
         if m.kind == "snapshot":
             snaps.append(v)
@@ -105,7 +105,7 @@ async def _doomed(board: Board, run: str, version: int,
     key = manifest_key(run, version)
     try:
         raw: bytes | None = await board.get(key)
-    except NotFound:
+    except NotFoundError:
         raw = None
     m: Manifest | None = None
     if raw is not None:
@@ -127,7 +127,7 @@ async def _doomed(board: Board, run: str, version: int,
         if await board.exists(span_index_key(run, version)):
             keys.append(span_index_key(run, version))
     if not keys:
-        raise NotFound(f"{vdir}: nothing there")
+        raise NotFoundError(f"{vdir}: nothing there")
     return Deleted(version=version, kind=m.kind if m else None, objects=len(keys),
                    bytes=size), keys
 
@@ -150,13 +150,13 @@ async def gc(board: Board, run: str, keep_snapshots: int, *, dry_run: bool = Fal
              trust: TrustSet | None = None) -> GcReport:
     """Delete `run`'s versions below the oldest of the newest `keep_snapshots` snapshots on the
     chain of `latest` (see the module doc); `dry_run`: only report what would go. Raises
-    ValueError for `keep_snapshots` < 1 and ReadOnlyBoard for a board that cannot delete."""
+    ValueError for `keep_snapshots` < 1 and ReadOnlyBoardError for a board that cannot delete."""
     check_run(run)
     if keep_snapshots < 1:
         raise ValueError(f"keep_snapshots must be at least 1 (got {keep_snapshots}): gc never "
                          "deletes the last snapshot")
     if board.readonly:
-        raise ReadOnlyBoard(f"board {board.url} is read-only: run gc on the board it mirrors "
+        raise ReadOnlyBoardError(f"board {board.url} is read-only: run gc on the board it mirrors "
                             "(the directory an HTTP board serves, or a NATS board)")
     report = GcReport(run=run, board=board.url, latest=None, keep_snapshots=keep_snapshots,
                       kept_snapshots=[], cut=None, deleted=[], bytes_freed=0, dry_run=dry_run)
@@ -179,7 +179,7 @@ async def gc(board: Board, run: str, keep_snapshots: int, *, dry_run: bool = Fal
         try:
             entry, keys = await _doomed(board, run, v,
                                         None if listed is None else listed.get(v, []))
-        except NotFound:  # deleted meanwhile (another gc)
+        except NotFoundError:  # deleted meanwhile (another gc)
             continue
         if not dry_run:
             for key in keys:  # the manifest first: no reader sees a version without objects

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from stitch_core.failpoints import kill_point
-from stitch_core.versions.board.base import Board, NotFound
+from stitch_core.versions.board.base import Board, NotFoundError
 from stitch_core.versions.manifest import (
     SPAN_INDEX,
     SpanIndex,
@@ -49,7 +49,7 @@ async def _index_bases(board: Board, run: str, version: int) -> list[int] | None
     """The bases `spans.json` names (None: no index, or an unreadable one)."""
     try:
         raw = await board.get(span_index_key(run, version), 1 << 20)
-    except NotFound:
+    except NotFoundError:
         return None
     try:
         return SpanIndex.model_validate_json(raw).bases

@@ -35,7 +35,7 @@ from stitch_core.distribution import PRODUCER
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import PatchBuilder, apply_entry, chunk_list
-from stitch_core.versions.board.base import Board, NotFound
+from stitch_core.versions.board.base import Board, NotFoundError
 from stitch_core.versions.manifest import (
     Manifest,
     Span,
@@ -327,7 +327,7 @@ class Squasher:
         for _ in range(self.horizon):
             try:
                 m = await read_manifest(self.board, self.run, v, self.trust)
-            except (NotFound, VersionError):
+            except (NotFoundError, VersionError):
                 break
             if m.patch is None or m.parent is None:
                 break
@@ -383,7 +383,7 @@ class Squasher:
         while not stop.is_set():
             try:
                 await self.step()
-            except (NotFound, VersionError) as e:
+            except (NotFoundError, VersionError) as e:
                 log.warning("squash %s: %s", self.run, e)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)

@@ -15,7 +15,13 @@ from typing import Literal, TypeVar
 from pydantic import ValidationError
 
 from stitch_core.failpoints import kill_point
-from stitch_core.versions.board.base import BadCopy, Board, BoardError, NotFound, TooLarge
+from stitch_core.versions.board.base import (
+    BadCopyError,
+    Board,
+    BoardError,
+    NotFoundError,
+    TooLargeError,
+)
 from stitch_core.versions.manifest import (
     MAX_MANIFEST_BYTES,
     Latest,
@@ -26,7 +32,7 @@ from stitch_core.versions.manifest import (
     span_key,
     version_dir,
 )
-from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersion
+from stitch_core.versions.trust import SigningKey, TrustSet, UntrustedVersionError
 
 log = logging.getLogger("stitch.store")
 M = TypeVar("M", Manifest, Span)
@@ -36,9 +42,9 @@ class VersionError(BoardError):
     """A version on the board is malformed, foreign, or its objects do not match the manifest."""
 
 
-class RefusedVersion(VersionError, UntrustedVersion):
+class RefusedVersionError(VersionError, UntrustedVersionError):
     """A version (or `latest`) the trust set does not accept: unsigned, signed by an untrusted
-    key, or its signature does not match (both a VersionError and an UntrustedVersion).
+    key, or its signature does not match (both a VersionError and an UntrustedVersionError).
     `version`: the version refused (for `latest`: the one it claims)."""
 
     def __init__(self, message: str, version: int):
@@ -48,11 +54,11 @@ class RefusedVersion(VersionError, UntrustedVersion):
 
 def _checked(trust: TrustSet, obj: Manifest | Latest, kind: str, what: str,
              version: int) -> str:
-    """`trust.check(...)`, its refusal as a RefusedVersion of `version`."""
+    """`trust.check(...)`, its refusal as a RefusedVersionError of `version`."""
     try:
         return trust.check(obj, kind, what)
-    except UntrustedVersion as e:
-        raise RefusedVersion(str(e), version) from None
+    except UntrustedVersionError as e:
+        raise RefusedVersionError(str(e), version) from None
 
 
 def now() -> str:
@@ -100,7 +106,7 @@ async def write_version(board: Board, manifest: Manifest, files: dict[str, Path]
 
 
 def check_signed(m: Manifest, trust: TrustSet | None) -> str | None:
-    """The trusted key id that signed `m` (None without a trust set); RefusedVersion if the
+    """The trusted key id that signed `m` (None without a trust set); RefusedVersionError if the
     trust set does not accept it."""
     if not trust:
         return None
@@ -112,7 +118,7 @@ async def _read_doc(board: Board, key: str, model: type[M], limit: int, what: st
     over `limit` bytes or malformed (unusable alike: the planner may route around it)."""
     try:
         raw = await board.get(key, limit)
-    except TooLarge as e:
+    except TooLargeError as e:
         raise VersionError(f"{what} refused: {e}") from None
     try:
         return model.model_validate_json(raw)
@@ -124,7 +130,7 @@ async def _read_doc(board: Board, key: str, model: type[M], limit: int, what: st
 async def read_manifest(board: Board, run: str, version: int,
                         trust: TrustSet | None = None) -> Manifest:
     """The manifest of `run` v`version` on the board; VersionError if malformed or misplaced,
-    RefusedVersion if a trust set is given and does not accept its signature."""
+    RefusedVersionError if a trust set is given and does not accept its signature."""
     m = await _read_doc(board, manifest_key(run, version), Manifest, MAX_MANIFEST_BYTES,
                         f"manifest of {run} v{version}")
     if m.run != run or m.version != version:
@@ -135,7 +141,7 @@ async def read_manifest(board: Board, run: str, version: int,
 
 
 async def read_latest(board: Board, run: str, trust: TrustSet | None = None) -> Latest | None:
-    """`run`'s `latest` pointer (None if there is none yet); with a trust set, RefusedVersion
+    """`run`'s `latest` pointer (None if there is none yet); with a trust set, RefusedVersionError
     unless it is signed by a trusted key."""
     try:
         latest = await board.read_latest(run)
@@ -165,7 +171,7 @@ async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -
     try:  # checked against the manifest; a FallbackBoard tries the next board on a bad copy
         await board.get_verified(f"{version_dir(m.run, m.version)}/{ref.path}", dest,
                                  ref.size, ref.sha256)
-    except BadCopy as e:
+    except BadCopyError as e:
         raise VersionError(f"{m.run} v{m.version}/{ref.path}: checksum mismatch ({e})") \
             from None
     return dest
@@ -177,11 +183,11 @@ MAX_SPAN_BYTES = 1 << 20  # a span document lists its objects only (a few hundre
 async def read_span(board: Board, run: str, version: int, base: int,
                     trust: TrustSet | None = None) -> Span | None:
     """The span from `base` straight to `version`, if the board holds one (None if not);
-    VersionError if malformed or misplaced, RefusedVersion if the trust set refuses it."""
+    VersionError if malformed or misplaced, RefusedVersionError if the trust set refuses it."""
     what = f"span {run} v{base}->v{version}"
     try:
         sp = await _read_doc(board, span_key(run, version, base), Span, MAX_SPAN_BYTES, what)
-    except NotFound:
+    except NotFoundError:
         return None
     if (sp.run, sp.base, sp.version) != (run, base, version):
         raise VersionError(f"span at {run} v{base}->v{version} describes {sp.run} "
@@ -300,7 +306,7 @@ async def plan(board: Board, run: str, have: int | None, target: int,
     while v is not None and (have is None or v > have):
         try:
             m = await read_manifest(board, run, v, trust)
-        except (NotFound, VersionError) as e:
+        except (NotFoundError, VersionError) as e:
             log.warning("version %s of %s unusable (%s); looking for a snapshot", v, run, e)
             reason = str(e)
             break
@@ -383,7 +389,7 @@ async def _from_snapshot(board: Board, run: str, target: int,
                                f"before v{target}")
         try:
             m = await read_manifest(board, run, s, trust)
-        except (NotFound, VersionError):
+        except (NotFoundError, VersionError):
             continue
         if m.kind != "snapshot":
             continue

@@ -47,7 +47,7 @@ class TrustError(StitchError, ValueError):
     """A key or trust set cannot be read, or a key file would be overwritten."""
 
 
-class UntrustedVersion(StitchError, ValueError):
+class UntrustedVersionError(StitchError, ValueError):
     """A manifest or `latest` pointer is unsigned, signed by a key outside the trust set, or its
     signature does not match its content. The message names the version and the key."""
 
@@ -220,21 +220,21 @@ class TrustSet:
         return cls(keys)
 
     def check(self, obj: Signed, kind: str, what: str) -> str:
-        """The id of the trusted key that signed `obj`; UntrustedVersion (naming `what`, e.g.
+        """The id of the trusted key that signed `obj`; UntrustedVersionError (naming `what`, e.g.
         "run v7", and the key) otherwise."""
         kid = obj.signed_by
         if kid is None or not obj.signature:
-            raise UntrustedVersion(f"{what} is unsigned; trusted keys: {', '.join(self.ids)}")
+            raise UntrustedVersionError(f"{what} is unsigned; trusted keys: {', '.join(self.ids)}")
         key = self.keys.get(kid)
         if key is None:
-            raise UntrustedVersion(f"{what} is signed by key {kid}, which is not trusted "
+            raise UntrustedVersionError(f"{what} is signed by key {kid}, which is not trusted "
                                    f"(trusted: {', '.join(self.ids)})")
         try:
             sig = base64.b64decode(obj.signature, validate=True)
         except (binascii.Error, ValueError):
             sig = b""
         if len(sig) != 64 or not key.verify(sig, payload(obj, kind)):
-            raise UntrustedVersion(f"{what}: the signature by key {kid} does not match its "
+            raise UntrustedVersionError(f"{what}: the signature by key {kid} does not match its "
                                    "content (edited or forged)")
         return kid
 

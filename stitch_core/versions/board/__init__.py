@@ -12,9 +12,9 @@ from __future__ import annotations
 from stitch_core.versions.board.base import (
     Board,
     BoardError,
-    LatestConflict,
-    NotFound,
-    ReadOnlyBoard,
+    LatestConflictError,
+    NotFoundError,
+    ReadOnlyBoardError,
 )
 from stitch_core.versions.board.local import LocalBoard
 
@@ -40,5 +40,5 @@ def open_board(url: str) -> Board:
     return LocalBoard(url.removeprefix("file://"))
 
 
-__all__ = ["Board", "BoardError", "LatestConflict", "LocalBoard", "NotFound", "ReadOnlyBoard",
-           "open_board"]
+__all__ = ["Board", "BoardError", "LatestConflictError", "LocalBoard", "NotFoundError",
+           "ReadOnlyBoardError", "open_board"]

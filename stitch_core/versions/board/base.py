@@ -29,38 +29,38 @@ class BoardError(StitchError, RuntimeError):
 
 
 
-class NotFound(BoardError):
+class NotFoundError(BoardError):
     """Raised when a key names no object on the board."""
 
 
 
-class TooLarge(BoardError):
+class TooLargeError(BoardError):
     """An object is larger than the reader's limit for it (a manifest, `latest`): refused
     without reading it whole."""
 
 
-def too_large(key: str, size: int | None, limit: int) -> TooLarge:
+def too_large(key: str, size: int | None, limit: int) -> TooLargeError:
     """The error for `key` of `size` bytes (None: unknown, over `limit` so far)."""
     got = f"{size:,} bytes" if size is not None else "more"
-    return TooLarge(f"{key} is {got}, over the {limit:,}-byte limit for it")
+    return TooLargeError(f"{key} is {got}, over the {limit:,}-byte limit for it")
 
 
-class LatestConflict(BoardError):
+class LatestConflictError(BoardError):
     """`latest` was not what the writer expected (a race) or the move would rewind it."""
 
 
-class ReadOnlyBoard(BoardError):
+class ReadOnlyBoardError(BoardError):
     """Raised on a write (put, move_latest, delete) to a read-only board."""
 
 
-class BadCopy(BoardError):
+class BadCopyError(BoardError):
     """A board answered an object whose bytes are not the ones its manifest lists (size or
     SHA-256): a corrupted or tampered copy. The downloaded file is removed; a FallbackBoard
     fetches the object again from the next board (docs/relays.md)."""
 
 
 def check_copy(dest: Path, key: str, size: int, sha256: str, where: str) -> None:
-    """BadCopy (and `dest` removed) unless the file at `dest` is `size` bytes with SHA-256
+    """BadCopyError (and `dest` removed) unless the file at `dest` is `size` bytes with SHA-256
     `sha256` (blocking: it hashes the file)."""
     got = dest.stat().st_size
     h = hashlib.sha256()
@@ -71,7 +71,7 @@ def check_copy(dest: Path, key: str, size: int, sha256: str, where: str) -> None
     digest = h.hexdigest() if got == size else "-"
     if got != size or digest != sha256:
         dest.unlink(missing_ok=True)
-        raise BadCopy(f"{key} from {where}: {got} bytes, sha256 {digest[:12]}…; the manifest "
+        raise BadCopyError(f"{key} from {where}: {got} bytes, sha256 {digest[:12]}…; the manifest "
                       f"says {size}, {sha256[:12]}…")
 
 
@@ -91,8 +91,8 @@ class Board(ABC):
 
     @abstractmethod
     async def get(self, key: str, max_bytes: int | None = None) -> bytes:
-        """Whole object; raises NotFound, or TooLarge if it is over `max_bytes` (checked before
-        it is read whole where the backend knows the size)."""
+        """Whole object; raises NotFoundError, or TooLargeError if it is over `max_bytes` (checked
+        before it is read whole where the backend knows the size)."""
 
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         """Stream an object to `dest` (written atomically). Backends may resume partial files."""
@@ -104,7 +104,7 @@ class Board(ABC):
 
     async def get_verified(self, key: str, dest: Path, size: int, sha256: str) -> None:
         """`get_file`, then check the copy against the `size` and `sha256` a manifest lists;
-        BadCopy (nothing left at `dest`) if it differs. A FallbackBoard overrides it to fetch
+        BadCopyError (nothing left at `dest`) if it differs. A FallbackBoard overrides it to fetch
         a bad copy again from the next board."""
         await self.get_file(key, dest, size=size)
         await asyncio.to_thread(check_copy, dest, key, size, sha256, self.url)
@@ -128,7 +128,7 @@ class Board(ABC):
     async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
         """Compare-and-swap `latest` from `expected` to `new.version`; only forward.
 
-        Raises LatestConflict if the current value is not `expected` or new.version <= current.
+        Raises LatestConflictError if the current value is not `expected` or new.version <= current.
         """
 
     async def list_versions(self, run: str) -> list[int] | None:
@@ -144,8 +144,8 @@ class Board(ABC):
 
     async def delete(self, key: str) -> None:
         """Remove an object (retention: `stitch gc`); no reader finds it once this returns, and
-        a key that is not there is no error. Boards that cannot delete raise ReadOnlyBoard."""
-        raise ReadOnlyBoard(f"board {self.url} cannot delete objects")
+        a key that is not there is no error. Boards that cannot delete raise ReadOnlyBoardError."""
+        raise ReadOnlyBoardError(f"board {self.url} cannot delete objects")
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -1,18 +1,18 @@
 """A read-only board over an ordered list of boards: a region's relay first, the origin last.
 
 `open_board("http://relay.eu:8080,http://origin:8000")` (a comma-separated list, as in
-`STITCH_BOARD`) opens one. Every read goes to the first board that is up and falls back to the
-next one on any board error: a relay that refuses connections, times out or answers 5xx, and
-also a NotFound, because a relay or mirror may not hold an object the origin already has (a
-version is published at the origin first). A board that failed with a connection-level error is
-skipped for `cooldown` seconds (its own retries are cut to `relay_attempts`), so a dead relay
-costs a follower one failed connect per cooldown, not one per read. TooLarge is final: the object
-is the same everywhere. `latest` is read the same way: through the relay (which never caches it;
+`STITCH_BOARD`) opens one. Every read goes to the first board that is up and falls back to the next
+one on any board error: a relay that refuses connections, times out or answers 5xx, and also a
+NotFoundError, because a relay or mirror may not hold an object the origin already has (a version
+is published at the origin first). A board that failed with a connection-level error is skipped for
+`cooldown` seconds (its own retries are cut to `relay_attempts`), so a dead relay costs a follower
+one failed connect per cooldown, not one per read. TooLargeError is final: the object is the same
+everywhere. `latest` is read the same way: through the relay (which never caches it;
 docs/relays.md), from the origin when the relay fails. A first board that keeps its own copy of
 `latest` (a JetStream mirror; not an HTTP relay) is also checked against the origin's: when it is
 behind, the read waits up to `latest_wait` seconds for it to catch up (then the version's objects
 are read from it as well) and else returns the origin's. Followers never write to a board, so a
-write, a delete or a `latest` move is refused (ReadOnlyBoard): publish to the origin.
+write, a delete or a `latest` move is refused (ReadOnlyBoardError): publish to the origin.
 
 A copy that does not match its manifest (`get_verified`: the size and SHA-256 a manifest lists)
 is not the end either: a relay that cached a corrupted or tampered object would otherwise stop
@@ -35,12 +35,12 @@ from typing import TypeVar
 
 from stitch_core.settings import Settings, env_name
 from stitch_core.versions.board.base import (
-    BadCopy,
+    BadCopyError,
     Board,
     BoardError,
-    NotFound,
-    ReadOnlyBoard,
-    TooLarge,
+    NotFoundError,
+    ReadOnlyBoardError,
+    TooLargeError,
     check_copy,
 )
 from stitch_core.versions.manifest import Latest
@@ -89,9 +89,9 @@ class FallbackBoard(Board):
             board = self.boards[i]
             try:
                 out = await call(board)
-            except TooLarge:
+            except TooLargeError:
                 raise
-            except BadCopy as e:  # this board's copy is wrong; the board itself answers
+            except BadCopyError as e:  # this board's copy is wrong; the board itself answers
                 self.bad_copies[i] += 1
                 log.warning("board %s served a bad copy (%s); %s", board.url, e,
                             "asking it to refresh" if on_bad else "trying the next")
@@ -109,7 +109,7 @@ class FallbackBoard(Board):
                     return out
                 errors.append(e)
                 continue
-            except NotFound as e:
+            except NotFoundError as e:
                 log.debug("board %s: %s not found; trying the next", board.url, what)
                 errors.append(e)
                 continue
@@ -124,11 +124,11 @@ class FallbackBoard(Board):
             self.served[i] += 1
             self._last = i
             return out
-        if all(isinstance(e, NotFound) for e in errors):
-            raise NotFound(f"{what}: not found on any of {self.url}")
-        last = next(e for e in reversed(errors) if not isinstance(e, NotFound))
-        if isinstance(last, BadCopy):
-            raise BadCopy(f"{what}: no board holds a good copy ({self.url}); last: {last}")
+        if all(isinstance(e, NotFoundError) for e in errors):
+            raise NotFoundError(f"{what}: not found on any of {self.url}")
+        last = next(e for e in reversed(errors) if not isinstance(e, NotFoundError))
+        if isinstance(last, BadCopyError):
+            raise BadCopyError(f"{what}: no board holds a good copy ({self.url}); last: {last}")
         raise BoardError(f"{what}: every board failed ({self.url}); last: {last}") from last
 
     async def get(self, key: str, max_bytes: int | None = None) -> bytes:
@@ -145,7 +145,7 @@ class FallbackBoard(Board):
 
         async def refreshed(i: int) -> None:
             if not await self.boards[i].get_refreshed(key, dest, size):
-                raise BadCopy(f"{key}: {self.boards[i].url} cannot refresh its copy")
+                raise BadCopyError(f"{key}: {self.boards[i].url} cannot refresh its copy")
             await asyncio.to_thread(check_copy, dest, key, size, sha256, self.boards[i].url)
 
         await self._first(key, lambda b: b.get_verified(key, dest, size, sha256),
@@ -167,24 +167,24 @@ class FallbackBoard(Board):
     async def exists(self, key: str) -> bool:
         async def one(b: Board) -> bool:
             if not await b.exists(key):
-                raise NotFound(key)
+                raise NotFoundError(key)
             return True
 
         try:
             return await self._first(key, one)
-        except NotFound:
+        except NotFoundError:
             return False
 
     async def read_latest(self, run: str) -> Latest | None:
         async def one(b: Board) -> Latest:
             got = await b.read_latest(run)
             if got is None:
-                raise NotFound(f"{run}/latest")
+                raise NotFoundError(f"{run}/latest")
             return got
 
         try:
             near = await self._first(f"{run}/latest", one)
-        except NotFound:
+        except NotFoundError:
             return None
         if not self.check_latest or self._last_served() == len(self.boards) - 1:
             return near
@@ -202,7 +202,7 @@ class FallbackBoard(Board):
                 got = await self.boards[self._last_served()].read_latest(run)
                 if got is not None and got.version >= far.version:
                     return got
-        return far  # still behind: the origin's word; objects fall back to it on NotFound
+        return far  # still behind: the origin's word; objects fall back to it on NotFoundError
 
     def _last_served(self) -> int:
         return self._last
@@ -218,13 +218,14 @@ class FallbackBoard(Board):
         return None
 
     async def put(self, key: str, src: bytes | Path) -> None:
-        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; publish to the origin")
+        raise ReadOnlyBoardError(
+            f"{self.url} is a list of read-only replicas; publish to the origin")
 
     async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
-        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; cannot move latest")
+        raise ReadOnlyBoardError(f"{self.url} is a list of read-only replicas; cannot move latest")
 
     async def delete(self, key: str) -> None:
-        raise ReadOnlyBoard(f"{self.url} is a list of read-only replicas; cannot delete {key}")
+        raise ReadOnlyBoardError(f"{self.url} is a list of read-only replicas; cannot delete {key}")
 
     async def close(self) -> None:
         for b in self.boards:

@@ -19,12 +19,13 @@ from typing import TypeVar
 import httpx
 from pydantic import ValidationError
 
+from stitch_core.errors import StitchError
 from stitch_core.versions.board.base import (
-    BadCopy,
+    BadCopyError,
     Board,
     BoardError,
-    NotFound,
-    ReadOnlyBoard,
+    NotFoundError,
+    ReadOnlyBoardError,
     check_key,
     open_part,
     part_path,
@@ -44,7 +45,7 @@ CHUNK = 1 << 20
 REFRESH_HEADER = "X-Stitch-Refresh"
 
 
-class _Transient(Exception):
+class _TransientError(StitchError, ConnectionError):
     """A failure worth retrying (5xx, 408, 429, a short body)."""
 
 
@@ -87,9 +88,9 @@ class HttpBoard(Board):
     def _check(r: httpx.Response, what: str) -> None:
         code = r.status_code
         if code == 404:
-            raise NotFound(f"{what}: not found")
+            raise NotFoundError(f"{what}: not found")
         if code >= 500 or code in (408, 429):
-            raise _Transient(f"HTTP {code}")
+            raise _TransientError(f"HTTP {code}")
         if code >= 400:
             raise BoardError(f"{what}: HTTP {code}")
 
@@ -97,7 +98,7 @@ class HttpBoard(Board):
         for failures in range(1, self.attempts + 1):
             try:
                 return await once()
-            except (httpx.TransportError, _Transient) as e:
+            except (httpx.TransportError, _TransientError) as e:
                 if failures >= self.attempts:
                     raise BoardError(f"{what}: {e!r} (gave up after {failures} attempts)") from e
                 await asyncio.sleep(self._delay(failures))
@@ -137,7 +138,7 @@ class HttpBoard(Board):
             r = await self._http().head(url)
             try:
                 self._check(r, f"HEAD {url}")
-            except NotFound:
+            except NotFoundError:
                 return False
             return True
 
@@ -147,7 +148,7 @@ class HttpBoard(Board):
         key = latest_key(run)
         try:
             data = await self._get(key, headers=NO_CACHE, max_bytes=MAX_LATEST_BYTES)
-        except NotFound:
+        except NotFoundError:
             return None
         try:
             return Latest.model_validate_json(data)
@@ -167,7 +168,7 @@ class HttpBoard(Board):
                        headers: dict[str, str] | None = None,
                        attempts: int | None = None) -> None:
         """Download to `dest` via `dest.part`, resuming it; `size`: the exact expected size
-        (BadCopy if the object is not that size). `headers`: extra request headers;
+        (BadCopyError if the object is not that size). `headers`: extra request headers;
         `attempts`: this download's attempts (default: the board's)."""
         url = self._url(key)
         extra = headers or {}
@@ -178,7 +179,7 @@ class HttpBoard(Board):
 
         def reject(msg: str) -> BoardError:
             tmp.unlink(missing_ok=True)
-            return BadCopy(f"GET {url}: {msg}")
+            return BadCopyError(f"GET {url}: {msg}")
 
         async def once() -> bool:
             """One request; True when `tmp` holds the whole object, False to start over."""
@@ -227,7 +228,7 @@ class HttpBoard(Board):
                         await asyncio.to_thread(f.write, bytes(buf))
                     await asyncio.to_thread(_sync, f)
             if total is not None and have != total:
-                raise _Transient(f"short body: {have} of {total} bytes")
+                raise _TransientError(f"short body: {have} of {total} bytes")
             return True
 
         failures = 0
@@ -237,7 +238,7 @@ class HttpBoard(Board):
                 if await once():
                     break
                 continue
-            except (httpx.TransportError, _Transient) as e:
+            except (httpx.TransportError, _TransientError) as e:
                 failures = 1 if wrote > before else failures + 1  # progress resets the count
                 if failures >= attempts:
                     raise BoardError(f"GET {url}: {e!r} (gave up after {failures} attempts)") \
@@ -249,17 +250,17 @@ class HttpBoard(Board):
         tmp.replace(dest)
 
     async def put(self, key: str, src: bytes | Path) -> None:
-        raise ReadOnlyBoard(f"HTTP board {self.url} is read-only; publish to the board directory "
-                            f"it serves (or a local/NATS board) instead")
+        raise ReadOnlyBoardError(f"HTTP board {self.url} is read-only; publish to the board "
+                                 f"directory it serves (or a local/NATS board) instead")
 
     async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
-        raise ReadOnlyBoard(f"HTTP board {self.url} is read-only; cannot move latest of {run}")
+        raise ReadOnlyBoardError(f"HTTP board {self.url} is read-only; cannot move latest of {run}")
 
     async def list_versions(self, run: str) -> list[int] | None:
         return None
 
     async def delete(self, key: str) -> None:
-        raise ReadOnlyBoard(f"HTTP board {self.url} is read-only; cannot delete {key} (run "
+        raise ReadOnlyBoardError(f"HTTP board {self.url} is read-only; cannot delete {key} (run "
                             f"`stitch gc` on the board directory it serves, or a NATS board)")
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from stitch_core.versions.board.base import (
     Board,
     BoardError,
-    LatestConflict,
-    NotFound,
+    LatestConflictError,
+    NotFoundError,
     check_key,
     open_part,
     part_path,
@@ -98,12 +98,12 @@ class LocalBoard(Board):
                     return f.read(max_bytes + 1)
                 return f.read()
         except FileNotFoundError:
-            raise NotFound(f"{key} not on board {self.url}") from None
+            raise NotFoundError(f"{key} not on board {self.url}") from None
 
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         src = self._path(key)
         if not src.is_file():
-            raise NotFound(f"{key} not on board {self.url}")
+            raise NotFoundError(f"{key} not on board {self.url}")
         tmp = part_path(dest)
 
         def copy() -> None:
@@ -175,7 +175,7 @@ class LocalBoard(Board):
     async def read_latest(self, run: str) -> Latest | None:
         try:
             return Latest.model_validate_json(await self.get(latest_key(run), MAX_LATEST_BYTES))
-        except NotFound:
+        except NotFoundError:
             return None
 
     def _move(self, run: str, expected: int | None, new: Latest) -> None:
@@ -186,9 +186,9 @@ class LocalBoard(Board):
             cur = path.read_bytes() if path.exists() else None
             cur_v = Latest.model_validate_json(cur).version if cur else None
             if cur_v != expected:
-                raise LatestConflict(f"latest of {run} is {cur_v}, expected {expected}")
+                raise LatestConflictError(f"latest of {run} is {cur_v}, expected {expected}")
             if cur_v is not None and new.version <= cur_v:
-                raise LatestConflict(f"latest of {run} would move back from {cur_v} to "
+                raise LatestConflictError(f"latest of {run} would move back from {cur_v} to "
                                      f"{new.version}")
             fd, name = tempfile.mkstemp(dir=path.parent, prefix=".latest.", suffix=".tmp")
             with os.fdopen(fd, "w") as f:

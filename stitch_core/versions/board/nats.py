@@ -45,8 +45,8 @@ from nats.js.object_store import ObjectStore
 from stitch_core.versions.board.base import (
     Board,
     BoardError,
-    LatestConflict,
-    NotFound,
+    LatestConflictError,
+    NotFoundError,
     check_key,
     open_part,
     part_path,
@@ -154,7 +154,7 @@ class NatsBoard(Board):
         t0 = time.monotonic()
         try:
             yield
-        except (LatestConflict, NotFound):
+        except (LatestConflictError, NotFoundError):
             raise
         except Exception as e:
             # the server drops a request its permissions refuse (no reply: a timeout, or no
@@ -275,7 +275,7 @@ class NatsBoard(Board):
         js = await self._ready()
         info = await self._info(key)
         if info is None:
-            raise NotFound(f"{key} not on board {self.url}")
+            raise NotFoundError(f"{key} not on board {self.url}")
         if info.is_link():  # not written by us; let nats-py follow it
             assert self._obj is not None
             await sink((await self._obj.get(key)).data or b"")
@@ -503,9 +503,9 @@ class NatsBoard(Board):
             cur, revision = await self._latest_entry(run)
             cur_v = cur.version if cur else None
             if cur_v != expected:
-                raise LatestConflict(f"latest of {run} is {cur_v}, expected {expected}")
+                raise LatestConflictError(f"latest of {run} is {cur_v}, expected {expected}")
             if cur_v is not None and new.version <= cur_v:
-                raise LatestConflict(f"latest of {run} would move back from {cur_v} to "
+                raise LatestConflictError(f"latest of {run} would move back from {cur_v} to "
                                      f"{new.version}")
             kv = await self._latest_kv(create=True)
             assert kv is not None
@@ -516,5 +516,5 @@ class NatsBoard(Board):
                 else:
                     await kv.create(run, data)
             except nats.js.errors.KeyWrongLastSequenceError as e:
-                raise LatestConflict(f"latest of {run} moved concurrently (expected "
+                raise LatestConflictError(f"latest of {run} moved concurrently (expected "
                                      f"{expected})") from e

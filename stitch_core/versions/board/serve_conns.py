@@ -39,6 +39,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from stitch_core.errors import StitchError
+
 MAX_CONNS = 1024  # connections open at once (all clients)
 # connections open at once from one address: followers behind one NAT, or one relay, share an
 # address; 100 followers on one host (benchmarks/fleet_load.py) must all get in
@@ -53,14 +55,14 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
             b"Connection: close\r\n\r\n503 Service Unavailable\n")
 
 
-class Aborted(Exception):
+class AbortedError(StitchError, ConnectionAbortedError):
     """An answer given up on purpose (a cut body, a stalled reader): uvicorn closes the
     connection; not logged as an application error."""
 
 
 class _QuietAborts(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], Aborted))
+        return not (record.exc_info and isinstance(record.exc_info[1], AbortedError))
 
 
 class BoardProtocol(H11Protocol):
@@ -334,7 +336,7 @@ class BoardApp:
             if declared.isdigit() and sent < int(declared) and h.code not in (204, 304):
                 # a body cut short (a file that shrank, an injected fault): the connection is
                 # closed so the client sees a short read, never a padded one
-                raise Aborted(f"{h.path}: sent {sent} of {int(declared)} bytes")
+                raise AbortedError(f"{h.path}: sent {sent} of {int(declared)} bytes")
         await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False},
                          client)
 
@@ -346,7 +348,7 @@ class BoardApp:
             # reset, not closed: a close would first wait for the stalled reader to take
             # what is buffered
             self.server.abort(client)
-            raise Aborted(f"a reader took nothing for {self.send_timeout} s") from None
+            raise AbortedError(f"a reader took nothing for {self.send_timeout} s") from None
 
 
 

@@ -90,7 +90,7 @@ class EngineFollower:
         m = read_pulled_manifest(self.model_dir)
         run = s.run or (m.run if m is not None else None)
         if run is None:
-            raise ValueError("STITCH_RUN is not set and the model directory has no "
+            raise SettingsError("STITCH_RUN is not set and the model directory has no "
                              "stitch-manifest.json (start from `stitch pull` output)")
         self.gate = VersionGate(run, mode=s.apply_mode, drain_timeout=s.drain_timeout,
                                 max_wait=s.max_wait, metrics=Metrics(default_registry(), run=run))

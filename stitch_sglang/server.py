@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch_core.engine import rpc
+from stitch_core.engine.replica import ReplicaError
 from stitch_core.node import (
     EngineFollower,
     FollowerMiddleware,
@@ -174,7 +175,7 @@ class SglangFollower(EngineFollower):
             method=method, blob=rpc.encode(req), call_id=uuid.uuid4().hex))
         errors = [o.error for o in outs if o.error]
         if errors:
-            raise RuntimeError(f"stitch {method} failed on the engine: {'; '.join(errors)}")
+            raise ReplicaError(f"stitch {method} failed on the engine: {'; '.join(errors)}")
         return [rpc.decode(r) for o in outs for r in o.replies]
 
     async def pause(self) -> None:

@@ -95,7 +95,7 @@ def local_slice(t: torch.Tensor, rank: int) -> LocalSlice:
         )
         local = t.to_local()
         if tuple(local.shape) != tuple(local_shape):
-            raise RuntimeError(f"local shard {tuple(local.shape)} != {tuple(local_shape)} expected")
+            raise PublishError(f"local shard {tuple(local.shape)} != {tuple(local_shape)} expected")
         coord = t.device_mesh.get_coordinate() or []
         # a replicated mesh dimension holds the same rows several times: its index 0 publishes them
         owner = all(c == 0 for c, p in zip(coord, t.placements, strict=True) if p.is_replicate())
@@ -181,7 +181,7 @@ class FSDPPublisher(PublisherBase):
                 "supported yet; use 'bf16' or 'fp16' (or the single-process Publisher)"
             )
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise PublishError(
                 f"{type(self).__name__} needs an initialised torch.distributed process group"
             )
         self.group = group
@@ -217,7 +217,7 @@ class FSDPPublisher(PublisherBase):
         (e.g. on shared storage); otherwise every rank materialises it into its spool directory.
         """
         if self._published is not None:
-            raise RuntimeError("start_from() was already called")
+            raise PublishError("start_from() was already called")
         res: tuple[str | None, str | None, bool] = (None, None, False)
         if self.rank == 0:
             try:
@@ -262,7 +262,7 @@ class FSDPPublisher(PublisherBase):
         version number is then skipped and the next publish diffs against the last good version.
         """
         if self._closed or self._published is None:
-            raise RuntimeError("call start_from() first" if not self._closed else "closed")
+            raise PublishError("call start_from() first" if not self._closed else "closed")
         t0 = time.perf_counter()
         version, parent = self._next_version, self._published
         self._next_version += 1
@@ -278,7 +278,7 @@ class FSDPPublisher(PublisherBase):
             new, kinds = self._diff_local(builder, plan)
             partial = builder.partial_fingerprints()
             if sorted(partial) != names:
-                raise RuntimeError("this rank's part does not list every tensor of the model")
+                raise PublishError("this rank's part does not list every tensor of the model")
         except Exception as e:
             err = e
         totals, failed = self.reduce_fingerprints(names, partial, err is not None)
@@ -372,7 +372,7 @@ class FSDPPublisher(PublisherBase):
         for n in sorted(slices):
             s, base = slices[n], self._prev.get(n)
             if base is None or base.shape != new[n].shape:
-                raise RuntimeError(f"{n}: this rank's rows changed since the last version")
+                raise PublishError(f"{n}: this rank's rows changed since the last version")
             builder.add(n, base, new[n], self._prev_fps.get(n), shape=s.shape, offset=s.offset)
         return new, {n: dtypes.info(t.dtype).name for n, t in new.items()}
 

@@ -34,7 +34,7 @@ from stitch_core.format.patch import PatchBuilder
 from stitch_core.format.views import project
 from stitch_core.versions.board import Board
 
-from .fsdp import FSDPPublisher
+from .fsdp import FSDPPublisher, PublishError
 from .megatron.convert import hf_names_of, local_from_hf
 from .megatron.layout import MegatronLayout
 from .megatron.shards import add_part, shard_parts
@@ -112,7 +112,7 @@ class MegatronPublisher(FSDPPublisher):
             self._prev = self._read_base(new)
         differ = sorted(set(new) ^ set(self._prev))
         if differ:
-            raise RuntimeError(f"{differ[0]}: this rank's parameters changed since the last "
+            raise PublishError(f"{differ[0]}: this rank's parameters changed since the last "
                                f"version ({len(differ)} names differ)")
         dtype = next(iter(new.values())).dtype if new else None
         parts = shard_parts(self._prev, new, self.layout, self.tp_rank, self.pp_rank, dtype=dtype)

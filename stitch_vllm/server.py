@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from stitch_core.engine import rpc
+from stitch_core.engine.replica import ReplicaError
 from stitch_core.node import (
     EngineFollower,
     FollowerMiddleware,
@@ -96,7 +97,7 @@ class VllmFollower(EngineFollower):
         failed = [f"rank {i}: {r.error}" for i, r in enumerate(replies)
                   if isinstance(r, rpc.Failed)]
         if failed:  # every rank answered (the worker never raises): the queues stay in step
-            raise RuntimeError(f"stitch {type(req).__name__} failed on the engine: "
+            raise ReplicaError(f"stitch {type(req).__name__} failed on the engine: "
                                f"{'; '.join(failed)}")
         return replies
 

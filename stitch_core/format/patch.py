@@ -127,7 +127,7 @@ class PatchBuilder:
             self._base_fps.append((name, dtypes.info(base.dtype).name, tuple(base.shape), base_fp))
         if new is None:
             if base is None:
-                raise ValueError(f"{name}: neither base nor new given")
+                raise PatchError(f"{name}: neither base nor new given")
             entry = TensorEntry(
                 name=name,
                 dtype=dtypes.info(base.dtype).name,
@@ -188,7 +188,7 @@ class PatchBuilder:
         offset: int,
     ) -> TensorEntry:
         if base is None or new is None or base.dtype != new.dtype or base.shape != new.shape:
-            raise ValueError(f"{name}: a shard part needs base and new of the same local shape")
+            raise PatchError(f"{name}: a shard part needs base and new of the same local shape")
         dt = dtypes.info(new.dtype)
         bv, nv = dtypes.int_view(base), dtypes.int_view(new)
         lo, hi = offset, offset + nv.numel()
@@ -223,10 +223,10 @@ class PatchBuilder:
         new = torch.as_tensor(new).reshape(-1).to(torch.int64).cpu()
         if not (pos.numel() == old.numel() == new.numel()) or (
                 pos.numel() > 1 and bool((pos[1:] <= pos[:-1]).any())):
-            raise ValueError(f"{name}: positions must be sorted, unique and match old/new")
+            raise PatchError(f"{name}: positions must be sorted, unique and match old/new")
         numel = math.prod(shape)
         if pos.numel() and (int(pos[0]) < 0 or int(pos[-1]) >= numel):
-            raise ValueError(f"{name}: position out of range")
+            raise PatchError(f"{name}: position out of range")
         chunks, target_fp = self._changes(name, pos, old, new, dt, 0, numel, base_fp)
         entry = TensorEntry(name=name, dtype=dt.name, shape=list(shape), kind="patch",
                             base_fp=fpr.fmt(base_fp), target_fp=fpr.fmt(target_fp),

@@ -398,7 +398,7 @@ class Follower:
                 elif self.version != step.version:
                     self.last_error = (f"v{step.version}: applied, but the target holds "
                                        f"v{self.version}")
-                    raise RuntimeError(self.last_error)
+                    raise VersionError(self.last_error)
                 self.applied.append(step.version)
                 self.last_error = None
                 self._beat.set()

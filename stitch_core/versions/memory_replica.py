@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply as apply_patch
-from stitch_core.format.stp import PatchReader
+from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.store import Step
 
@@ -40,14 +40,14 @@ class MemoryReplica:
                 tensors.update(load_file(f))
             fps = fpr.state_fingerprints(tensors)
             if fps != want:
-                raise ValueError(f"v{m.version}: snapshot fingerprints do not match the manifest")
+                raise PatchError(f"v{m.version}: snapshot fingerprints do not match the manifest")
             self.tensors, self.fingerprints, self.digest = tensors, fps, m.digest
             return
         with PatchReader(path) as r:
             h = r.header
             fps = {t.name: fpr.parse(t.target_fp) for t in h.tensors if t.target_fp}
         if h.run != m.run or h.target_version != m.version or fps != want:
-            raise ValueError(f"patch file does not produce {m.run} v{m.version} of the manifest")
+            raise PatchError(f"patch file does not produce {m.run} v{m.version} of the manifest")
         # in place, undone on any error; every tensor's result is verified against `fps`
         apply_patch(self.tensors, list(parts or [path]), base_fingerprints=self.fingerprints,
                     inplace=True)

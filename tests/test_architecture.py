@@ -114,7 +114,31 @@ def test_no_shims_and_one_owner_for_the_version():
     assert stitch_core.__version__ == importlib.metadata.version("stitch-rl")
 
 
+def _shipped_modules() -> list:
+    """Every module of the four packages, less the engine plugins' modules that need the engine
+    itself (vllm / sglang) where it is not installed, and ``__main__`` entry points."""
+    import pkgutil
+
+    mods = []
+    for pkg in PACKAGES:
+        root = importlib.import_module(pkg)
+        for name in [pkg, *(m.name for m in pkgutil.walk_packages(root.__path__, f"{pkg}."))]:
+            if name.endswith(".__main__"):
+                continue
+            try:
+                mods.append(importlib.import_module(name))
+            except ImportError:
+                if not name.startswith(("stitch_vllm.", "stitch_sglang.")):
+                    raise
+    return mods
+
+
 def test_every_error_is_a_stitch_error_and_keeps_its_builtin_base():
+    """Every exception class defined in the shipped packages is a StitchError, is named
+    ``...Error`` (or ``...Warning``) and keeps a builtin base of its own (stitch_core/errors.py)."""
+    import builtins
+    import inspect
+
     from stitch_core import StitchError
     from stitch_core.engine.proof import EngineStateError
     from stitch_core.format.codec import CodecError
@@ -126,6 +150,25 @@ def test_every_error_is_a_stitch_error_and_keeps_its_builtin_base():
                          (BoardError, RuntimeError), (NotFoundError, RuntimeError),
                          (VersionError, RuntimeError), (EngineStateError, RuntimeError)]:
         assert issubclass(cls, StitchError) and issubclass(cls, builtin), cls
+
+    found, bad = set(), []
+    for mod in _shipped_modules():
+        for cls in vars(mod).values():
+            if not (inspect.isclass(cls) and issubclass(cls, BaseException)
+                    and cls.__module__ == mod.__name__) or cls is StitchError:
+                continue
+            found.add(cls)
+            where = f"{cls.__module__}.{cls.__qualname__}"
+            if not issubclass(cls, StitchError):
+                bad.append(f"{where}: not a StitchError")
+            if not cls.__name__.endswith(("Error", "Warning")):
+                bad.append(f"{where}: not named ...Error")
+            own = [b for b in cls.__mro__ if getattr(builtins, b.__name__, None) is b
+                   and b not in StitchError.__mro__]
+            if not own:
+                bad.append(f"{where}: no builtin base besides StitchError")
+    assert not bad, bad
+    assert len(found) >= 30, sorted(c.__name__ for c in found)  # the walk did find them
 
 
 def test_cli_verbs_from_the_trainer_come_through_entry_points():

@@ -25,6 +25,33 @@ async def nc(nats_server):
     await conn.close()
 
 
+# ------------------------------------------------------------------ a board origin and its relay
+# The relay tests (tests/test_relay*.py): a real `stitch board serve` counting what it answers
+# (what crossed the 'WAN') and a real nginx relay in front of it.
+
+
+@pytest.fixture
+def origin(tmp_path):
+    from stitch_dev.board_origin import start_origin, stop_origin
+
+    root = tmp_path / "board"
+    root.mkdir()
+    srv = start_origin(root)
+    yield srv
+    stop_origin(srv)
+
+
+@pytest.fixture
+def relay(origin, tmp_path):
+    from stitch_core.versions.relay import NginxRelay, find_nginx
+    from stitch_dev.ports import free_port
+
+    find_nginx()  # RelayError (a failure, not a skip) when nginx is missing
+    r = NginxRelay(origin.url, free_port(), tmp_path / "relay").start()
+    yield r
+    r.stop()
+
+
 # ------------------------------------------------------------------ which CPU weight path ran
 # The engine suites say which of the engine's CPU GEMM paths each test exercised (vLLM packs
 # weights with AMX or oneDNN where the CPU can, and reads the parameters directly elsewhere), so a

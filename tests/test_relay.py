@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,44 +19,12 @@ import pytest
 from stitch_core.versions.board import open_board
 from stitch_core.versions.board.fallback import FallbackBoard
 from stitch_core.versions.board.http import HttpBoard
-from stitch_core.versions.board.serve import BoardHandler, serve
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.memory_replica import MemoryReplica
-from stitch_core.versions.relay import NginxRelay, find_nginx, nginx_config
+from stitch_core.versions.relay import find_nginx, nginx_config
 from stitch_dev.ports import free_port
 
 RUN = "relay"
-
-
-class Counting(BoardHandler):
-    """Counts GETs per path at the origin: what crossed the 'WAN'."""
-
-    def _serve(self, body: bool) -> None:
-        with self.server.lock:
-            self.server.gets[(self.command, self.path)] += 1
-        super()._serve(body)
-
-
-@pytest.fixture
-def origin(tmp_path):
-    root = tmp_path / "board"
-    root.mkdir()
-    srv = serve(root, port=0, handler=Counting)
-    srv.gets, srv.lock = Counter(), threading.Lock()
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    srv.url = f"http://127.0.0.1:{srv.server_port}"
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
-@pytest.fixture
-def relay(origin, tmp_path):
-    find_nginx()  # RelayError (a failure, not a skip) when nginx is missing
-    r = NginxRelay(origin.url, free_port(), tmp_path / "relay").start()
-    yield r
-    r.stop()
 
 
 def get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:

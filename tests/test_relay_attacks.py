@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -20,38 +19,16 @@ import torch
 
 from stitch_core.versions.board.fallback import FallbackBoard
 from stitch_core.versions.board.http import HttpBoard
-from stitch_core.versions.board.serve import serve
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.memory_replica import MemoryReplica
 from stitch_core.versions.relay import NginxRelay, RelayConfigError, find_nginx
 from stitch_core.versions.trust import new_key
+from stitch_dev.board_origin import Counting, start_origin, stop_origin
 from stitch_dev.ports import free_port
 from stitch_trainer.publisher import Publisher
-from tests.test_relay import Counting, get, make_model
+from tests.test_relay import get, make_model
 
 RUN = "relay"
-
-
-@pytest.fixture
-def origin(tmp_path):
-    """A real `stitch board serve` (counting the GETs it answers: what crossed the 'WAN')."""
-    root = tmp_path / "board"
-    root.mkdir()
-    srv = serve(root, port=0, handler=Counting)
-    srv.gets, srv.lock = Counter(), threading.Lock()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    srv.url = f"http://127.0.0.1:{srv.server_port}"
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
-@pytest.fixture
-def relay(origin, tmp_path):
-    find_nginx()  # RelayError (a failure, not a skip) when nginx is missing
-    r = NginxRelay(origin.url, free_port(), tmp_path / "relay").start()
-    yield r
-    r.stop()
 
 
 def _publish(board: Path, versions: int, key: Path | None = None) -> None:
@@ -194,10 +171,8 @@ def test_origin_under_a_path_prefix(tmp_path):
     root = tmp_path / "board"
     root.mkdir()
     _publish(root, 2)
-    srv = serve(root, port=0, handler=Prefixed)
-    srv.gets, srv.lock = Counter(), threading.Lock()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{srv.server_port}/boards"
+    srv = start_origin(root, Prefixed)
+    base = f"{srv.url}/boards"
     find_nginx()
     try:
         with NginxRelay(base, free_port(), tmp_path / "relay") as r:
@@ -219,8 +194,7 @@ def test_origin_under_a_path_prefix(tmp_path):
             version, served = asyncio.run(follow())
             assert version == 2 and served[0] > 0 and served[1] == 0, served
     finally:
-        srv.shutdown()
-        srv.server_close()
+        stop_origin(srv)
 
 
 def test_span_index_through_the_relay_is_never_stale(origin, relay):

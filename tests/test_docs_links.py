@@ -20,16 +20,22 @@ LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
-def _prose(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, inline code removed."""
+def _prose_with_code(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks; headings keep their inline code (it is
+    part of an anchor's text)."""
     out, fenced = [], False
     for n, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line.strip()):
             fenced = not fenced
             continue
         if not fenced:
-            out.append((n, INLINE_CODE.sub("", line)))
+            out.append((n, line))
     return out
+
+
+def _prose(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, inline code removed."""
+    return [(n, INLINE_CODE.sub("", line)) for n, line in _prose_with_code(text)]
 
 
 def slug(heading: str) -> str:
@@ -53,18 +59,6 @@ def anchors(path: Path) -> set[str]:
         seen[base] = k + 1
         out.add(base if k == 0 else f"{base}-{k}")
     out.update(re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", path.read_text(encoding="utf-8")))
-    return out
-
-
-def _prose_with_code(text: str) -> list[tuple[int, str]]:
-    """Like _prose, but headings keep their inline code (it is part of the anchor's text)."""
-    out, fenced = [], False
-    for n, line in enumerate(text.splitlines(), 1):
-        if FENCE.match(line.strip()):
-            fenced = not fenced
-            continue
-        if not fenced:
-            out.append((n, line))
     return out
 
 

@@ -154,15 +154,20 @@ class FallbackBoard(Board):
     async def get_refreshed(self, key: str, dest: Path, size: int) -> bool:
         return False  # get_verified refreshes the board that served a bad copy
 
-    async def list_keys(self, prefix: str) -> list[str] | None:
+    async def _first_listing(self, call: Callable[[Board], Awaitable[list[T] | None]]
+                             ) -> list[T] | None:
+        """The first board (in `_order`) that can list and answers: its listing, else None."""
         for i in self._order():
             try:
-                got = await self.boards[i].list_keys(prefix)
+                got = await call(self.boards[i])
             except (BoardError, OSError):
                 continue
             if got is not None:
                 return got
         return None
+
+    async def list_keys(self, prefix: str) -> list[str] | None:
+        return await self._first_listing(lambda b: b.list_keys(prefix))
 
     async def exists(self, key: str) -> bool:
         async def one(b: Board) -> bool:
@@ -208,14 +213,7 @@ class FallbackBoard(Board):
         return self._last
 
     async def list_versions(self, run: str) -> list[int] | None:
-        for i in self._order():
-            try:
-                got = await self.boards[i].list_versions(run)
-            except (BoardError, OSError):
-                continue
-            if got is not None:
-                return got
-        return None
+        return await self._first_listing(lambda b: b.list_versions(run))
 
     async def put(self, key: str, src: bytes | Path) -> None:
         raise ReadOnlyBoardError(

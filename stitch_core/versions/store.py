@@ -4,7 +4,6 @@ and plan how a holder of version `have` reaches version `target`."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from stitch_core.versions.board.base import (
     BoardError,
     NotFoundError,
     TooLargeError,
+    sha256_file,
 )
 from stitch_core.versions.manifest import (
     MAX_MANIFEST_BYTES,
@@ -64,15 +64,6 @@ def _checked(trust: TrustSet, obj: Manifest | Latest, kind: str, what: str,
 def now() -> str:
     """The current UTC time in ISO 8601 (milliseconds)."""
     return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of the file at `path`."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(1 << 20):
-            h.update(b)
-    return h.hexdigest()
 
 
 def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:

@@ -59,16 +59,20 @@ class BadCopyError(BoardError):
     fetches the object again from the next board (docs/relays.md)."""
 
 
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of the file at `path`."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(1 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
 def check_copy(dest: Path, key: str, size: int, sha256: str, where: str) -> None:
     """BadCopyError (and `dest` removed) unless the file at `dest` is `size` bytes with SHA-256
-    `sha256` (blocking: it hashes the file)."""
+    `sha256` (blocking: it hashes the file, only when the size is right)."""
     got = dest.stat().st_size
-    h = hashlib.sha256()
-    if got == size:
-        with open(dest, "rb") as f:
-            while b := f.read(1 << 20):
-                h.update(b)
-    digest = h.hexdigest() if got == size else "-"
+    digest = sha256_file(dest) if got == size else "-"
     if got != size or digest != sha256:
         dest.unlink(missing_ok=True)
         raise BadCopyError(f"{key} from {where}: {got} bytes, sha256 {digest[:12]}…; the manifest "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -69,6 +71,19 @@ class Server(Engine):
         body = {"text": prompt, "sampling_params": {"temperature": 0.0,
                                                     "max_new_tokens": max_new_tokens}, **kw}
         return self.http.post("/generate", json=body, headers=headers or {})
+
+    @contextmanager
+    def hold_steps(self) -> Iterator[None]:
+        """Hold the scheduler's steps (SGLang's `POST /pause_generation`, mode in_place):
+        running requests stay with their KV until the block ends, or until an apply's own
+        pause/continue (the plugin's) lets them go on."""
+        r = self.http.post("/pause_generation", json={"mode": "in_place"})
+        assert r.status_code == 200, r.text
+        try:
+            yield
+        finally:
+            r = self.http.post("/continue_generation", json={"torch_empty_cache": False})
+            assert r.status_code == 200, r.text
 
     def outputs(self, version: int | None = None) -> list[dict]:
         """Greedy token ids and top logprobs for PROMPTS (pinned to exactly `version` if given;

@@ -185,10 +185,12 @@ def _stream(server, path, body, headers, out: dict, key: str, started: threading
 
 def test_requests_running_across_an_apply(stack):
     """Immediate mode: an unpinned request reports start != end (and SGLang's own per-token
-    version spans show where the change happened); an exact pin is cut off."""
+    version spans show where the change happened); an exact pin is cut off. The apply lands
+    mid-generation by construction: the test holds the scheduler's steps from the streams' first
+    tokens until the apply."""
     server, trainer = stack["server"], stack["trainer"]
     v = server.status()["version"]
-    n = 1200  # long enough that both streams outlive the publish and the apply
+    n = 1200  # tokens at v, then at v + 1: the apply lands while the steps are held
     trainer.train()  # before the streams start: only the publish and the apply race them
     pinned = {"model": server.model, "prompt": "Once upon a time", "max_tokens": n,
               "temperature": 0, "ignore_eos": True, "stream": True}
@@ -202,9 +204,13 @@ def test_requests_running_across_an_apply(stack):
                for k, (p, b, h) in runs.items()]
     for t in threads:
         t.start()
-    assert all(e.wait(120) for e in events.values())
-    assert trainer.publish(train=False) == v + 1
-    server.wait_version(v + 1, timeout=120)
+    assert all(e.wait(120) for e in events.values())  # both generating at v
+    # the scheduler's steps held from here until the apply: neither stream can end before it
+    # (the plugin's own pause and continue around the apply let them go on, at v + 1)
+    with server.hold_steps():
+        assert not out, f"a stream ended before the hold: {list(out)}"
+        assert trainer.publish(train=False) == v + 1
+        server.wait_version(v + 1, timeout=120)
     for t in threads:
         t.join(300)
     code, headers, ev = out["free"]

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -35,12 +37,16 @@ class Server(ServerProcess):
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
                  extra: list[str] | tuple[str, ...] = (), api_key: str | None = None,
-                 **stitch: str):
+                 dev_mode: bool = False, **stitch: str):
+        """`dev_mode`: VLLM_SERVER_DEV_MODE=1, vLLM's RL and dev routes (`hold_steps`)."""
         port = free_port()
         cmd = vllm_cmd(sys.executable, str(model_dir), port, tp, max_model_len) + list(extra)
         if api_key:
             cmd += ["--api-key", api_key]
-        super().__init__(cmd, engine_env(tp, **stitch), port, str(model_dir), log)
+        env = engine_env(tp, **stitch)
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        super().__init__(cmd, env, port, str(model_dir), log)
         if api_key:  # every helper request carries it
             self.http.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -48,6 +54,19 @@ class Server(ServerProcess):
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                 "temperature": 0.0, "logprobs": TOP, "return_tokens_as_token_ids": True, **kw}
         return self.http.post("/v1/completions", json=body, headers=headers or {})
+
+    @contextmanager
+    def hold_steps(self) -> Iterator[None]:
+        """Hold the engine's steps (vLLM's RL route `POST /pause?mode=keep`, served with
+        VLLM_SERVER_DEV_MODE=1): running requests freeze with their KV until the block ends, or
+        until an apply's own pause/resume (the plugin's) lets them go on."""
+        r = self.http.post("/pause", params={"mode": "keep"})
+        assert r.status_code == 200, r.text
+        try:
+            yield
+        finally:
+            r = self.http.post("/resume")
+            assert r.status_code == 200, r.text
 
     def outputs(self, version: int) -> list[dict]:
         """Greedy tokens and top logprobs for PROMPTS, pinned to exactly `version`."""

@@ -49,8 +49,9 @@ def stack(tmp_path_factory, nats_server):
                      quiet=True))
     # with an API key (Stitch admits past vLLM's key check) and the token-in-token-out routes;
     # verifies are not rate-limited here (the routes test checks the limit)
+    # VLLM_SERVER_DEV_MODE: the RL routes (/pause, /resume) that hold steps mid-generation
     server = Server(root / "v0", root / "server.log", max_model_len=2048,
-                    extra=["--enable-scale-out"], api_key=API_KEY,
+                    extra=["--enable-scale-out"], api_key=API_KEY, dev_mode=True,
                     board=str(root / "board"), nats_url=nats_server.url, run=RUN,
                     cache_dir=str(root / "engine-cache"), reconcile_interval="1",
                     verify_cooldown="0")
@@ -161,7 +162,9 @@ def _stream(server, headers, out: dict, key: str, started: threading.Event):
 
 
 def test_requests_running_across_an_apply(stack):
-    """Immediate mode: an unpinned request reports start != end; an exact pin is cut off."""
+    """Immediate mode: an unpinned request reports start != end; an exact pin is cut off. The
+    apply lands mid-generation by construction: the test holds the engine's steps from the
+    streams' first tokens until the apply."""
     server, trainer = stack["server"], stack["trainer"]
     v = server.status()["version"]
     trainer.train()  # before the streams start: only the publish and the apply race them
@@ -172,9 +175,13 @@ def test_requests_running_across_an_apply(stack):
                                                "pinned", ev_b))
     a.start()
     b.start()
-    assert ev_a.wait(120) and ev_b.wait(120)
-    assert trainer.publish(train=False) == v + 1
-    server.wait_version(v + 1, timeout=120)
+    assert ev_a.wait(120) and ev_b.wait(120)  # both generating at v
+    # the engine's steps held from here until the apply: neither stream can end before it (the
+    # plugin's own pause and resume around the apply let them go on, at v + 1)
+    with server.hold_steps():
+        assert not out, f"a stream ended before the hold: {list(out)}"
+        assert trainer.publish(train=False) == v + 1
+        server.wait_version(v + 1, timeout=120)
     a.join(300)
     b.join(300)
     code, headers, events = out["free"]

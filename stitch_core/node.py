@@ -1,17 +1,18 @@
 """Following a run inside an engine's server process, for any engine.
 
-`EngineFollower` ties together, for one engine:
+`EngineFollower` ties together, for one engine, each built with its collaborators:
 
+* a `stitch_core.serve.gate.VersionGate`, consulted by `FollowerMiddleware` (a
+  `stitch_core.serve.asgi.StitchASGI`) for the version protocol ([docs/protocol.md]); built
+  first (requests get 409 while the engine starts), with `catch_up` and `status_extra` below as
+  its ports and a `stitch_core.versions.served.ServedVersion` (what is served, the newest
+  published version, the refused ones) that the other two share;
 * a `stitch_core.engine.coordinator.Coordinator` whose RPC reaches a
-  `stitch_core.engine.replica.RankReplica` on
-  every TP rank; it learns the layouts, proves the loaded weights against the snapshot's manifest
-  (`stitch-manifest.json`, written by `stitch pull`) and then applies every version;
+  `stitch_core.engine.replica.RankReplica` on every TP rank; it learns the layouts, proves the
+  loaded weights against the snapshot's manifest (`stitch-manifest.json`, written by `stitch
+  pull`) and then applies every version through the gate, recording what the ranks hold;
 * a `stitch_core.versions.follower.Follower` (NATS announcements + a reconcile timer on the board)
-  feeding
-  it versions in order;
-* a `stitch_core.serve.gate.VersionGate` that `FollowerMiddleware` (a
-  `stitch_core.serve.asgi.StitchASGI`)
-  consults for the version protocol ([docs/protocol.md]).
+  feeding the coordinator versions in order, recording what it reads on the board.
 
 An engine plugin (stitch_vllm, stitch_sglang) subclasses both: how to reach the ranks, how to hold
 engine steps, what to tell the engine after an apply, and where its engine handle lives.
@@ -33,7 +34,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stitch_core.engine import rpc
 from stitch_core.failpoints import enabled as failpoints_enabled
@@ -42,6 +43,11 @@ from stitch_core.serve.asgi import StitchASGI
 from stitch_core.serve.asgi_types import ASGIApp, Scope, send_json
 from stitch_core.serve.route_table import Route
 from stitch_core.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from stitch_core.engine.coordinator import Coordinator
+    from stitch_core.serve.gate import VersionGate
+    from stitch_core.versions.follower import Follower
 
 log = logging.getLogger("stitch.engine")
 
@@ -61,9 +67,9 @@ class EngineFollower:
     def __init__(self, settings: Settings, model_dir: str | Path):
         self.settings = settings
         self.model_dir = str(model_dir)
-        self.gate: Any = None
-        self.coord: Any = None
-        self.follower: Any = None
+        self.gate: VersionGate | None = None  # built by `start`
+        self.coord: Coordinator | None = None
+        self.follower: Follower | None = None
         self.error: str | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -93,11 +99,17 @@ class EngineFollower:
             raise SettingsError("STITCH_RUN is not set and the model directory has no "
                              "stitch-manifest.json (start from `stitch pull` output)")
         self.gate = VersionGate(run, mode=s.apply_mode, drain_timeout=s.drain_timeout,
-                                max_wait=s.max_wait, metrics=Metrics(default_registry(), run=run))
-        self.gate.status_extra = self.status_extra
-        self._tasks.append(asyncio.create_task(self._run(run)))
+                                max_wait=s.max_wait, metrics=Metrics(default_registry(), run=run),
+                                catch_up=self.catch_up, status_extra=self.status_extra)
+        self._tasks.append(asyncio.create_task(self._run(run, self.gate)))
 
-    async def _run(self, run: str) -> None:
+    async def catch_up(self, version: int, timeout: float) -> bool:
+        """The gate's catch-up port: the follower gets to `version` within `timeout` seconds
+        if it can (False while there is no follower yet, or none at all)."""
+        f = self.follower
+        return await f.wait_for(version, timeout) if f is not None else False
+
+    async def _run(self, run: str, gate: VersionGate) -> None:
         from stitch_core.engine.coordinator import Coordinator
         from stitch_core.versions.follower import Follower
         from stitch_core.versions.trust import TrustSet
@@ -112,13 +124,13 @@ class EngineFollower:
             else:
                 log.info("stitch: accepting only versions of %s signed by key(s) %s", run,
                          ", ".join(trust.ids))
-            self.coord = Coordinator(
-                self.rpc, run=run, gate=self.gate,
+            self.coord = coord = Coordinator(
+                self.rpc, run=run, gate=gate,
                 pause=self.pause if s.pause_steps else None,
                 resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
                 loader_fallback=s.loader_fallback, rpc_timeout=s.rpc_timeout,
                 load_timeout=s.load_timeout, apply_memory=s.apply_memory)
-            version = await self.coord.start(self.model_dir, trust=trust or None)
+            version = await coord.start(self.model_dir, trust=trust or None)
         except Exception as e:
             self.error = f"start-up check failed: {e}"
             log.exception("stitch: %s; not serving", self.error)
@@ -129,22 +141,19 @@ class EngineFollower:
             return
 
         # the coordinator is the apply target: a failed apply is undone and proven there, or
-        # leaves it holding no version (the follower, which reads the held version from it,
-        # then reloads a snapshot through the verified path)
+        # leaves the served version cleared (the follower, which reads it from the same
+        # ServedVersion, then reloads a snapshot through the verified path)
         try:
             self.follower = Follower(
-                s.board, run, self.coord, version=version, nats=s.nats_url,
+                s.board, run, coord, served=gate.served, nats=s.nats_url,
                 cache_dir=s.cache_dir, cache_max_bytes=s.cache_max_bytes,
                 reconcile_interval=s.reconcile_interval,
                 engine_id=s.engine_id, url=s.engine_url, region=s.region,
-                on_latest=self.gate.set_latest, held=lambda: self.coord.version,
-                on_dead=self._follower_died, trust=trust or None,
-                on_refused=self.gate.refuse_version, load=lambda: self.gate.in_flight)
-            self.gate.catch_up = self.follower.wait_for
+                on_dead=self._follower_died, trust=trust or None, load=lambda: gate.in_flight)
             await self.follower.start()
         except Exception as e:  # e.g. a malformed board URL: not following means not serving
             self.error = f"cannot follow {run}: {type(e).__name__}: {e}"
-            self.coord.stop_serving(self.error)
+            coord.stop_serving(self.error)
             return
         if s.verify_interval > 0:
             self._tasks.append(asyncio.create_task(self._verify_every(s.verify_interval)))
@@ -163,13 +172,14 @@ class EngineFollower:
     def _follower_died(self, err: BaseException) -> None:
         """The follow loop ended: an engine that no longer follows its run stops serving."""
         self.error = f"follower died: {type(err).__name__}: {err}"
-        self.coord.stop_serving(self.error)
+        if self.coord is not None:
+            self.coord.stop_serving(self.error)
 
     async def _verify_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             with contextlib.suppress(Exception):
-                check = await self.coord.verify()
+                check = await self.verify()
                 if not check["ok"] and self.follower is not None:
                     self.follower.recheck()
 
@@ -446,10 +456,10 @@ def _run_or_unknown() -> str:
 
 
 _CURRENT: EngineFollower | None = None
-_REFUSING: Any = None  # a gate holding no version, when the follower could not start
+_REFUSING: VersionGate | None = None  # a gate holding no version, when the follower could not start
 
 
-def _current_gate() -> Any:
+def _current_gate() -> VersionGate | None:
     return _CURRENT.gate if _CURRENT is not None else _REFUSING
 
 

@@ -408,7 +408,7 @@ class Rig:
                    quiet=True)
         self.engines = engines_for(self.truth.views[self.truth.view_of[version]])
         replicas = [RankReplica(e, rank_info={"rank": i}) for i, e in enumerate(self.engines)]
-        self.gate = VersionGate(RUN)
+        self.gate = gate = VersionGate(RUN, catch_up=self._catch_up)
 
         async def pause() -> None:
             self.steps_allowed.clear()
@@ -416,19 +416,21 @@ class Rig:
         async def resume() -> None:
             self.steps_allowed.set()
 
-        self.coord = Coordinator(self._rpc(replicas), run=RUN, gate=self.gate, pause=pause,
-                                 resume=resume, loader_fallback=True,
-                                 rpc_timeout=self.args.rpc_timeout)
-        held = await self.coord.start(d)
-        coord, gate = self.coord, self.gate
+        self.coord = coord = Coordinator(self._rpc(replicas), run=RUN, gate=gate, pause=pause,
+                                         resume=resume, loader_fallback=True,
+                                         rpc_timeout=self.args.rpc_timeout)
+        await coord.start(d)
         self.follower = Follower(
-            self.http.url, RUN, coord, version=held, nats=self.nats_url if nats else None,
+            self.http.url, RUN, coord, served=gate.served, nats=self.nats_url if nats else None,
             cache_dir=self.dir / "cache", reconcile_interval=self.args.reconcile,
-            engine_id=self.name, held=lambda: coord.version, on_latest=gate.set_latest,
-            on_refused=gate.refuse_version)
-        gate.catch_up = self.follower.wait_for
+            engine_id=self.name)
         await self.follower.start()
         self._tasks.append(asyncio.ensure_future(self._engine_steps()))
+
+    async def _catch_up(self, version: int, timeout: float) -> bool:
+        """The gate's catch-up port (as the node's): the follower's, once there is one."""
+        f = self.follower
+        return await f.wait_for(version, timeout) if f is not None else False
 
     def proven(self, v: int | None) -> str | None:
         """Why serving now would be serving an unproven state (None: it is proven)."""

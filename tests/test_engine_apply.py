@@ -80,7 +80,7 @@ async def test_follows_every_version_bit_exact(published, tmp_path, world):
     board = LocalBoard(root / "board")
     for v in range(1, N):
         m = await read_manifest(board, RUN, v)
-        f = Follower(board, RUN, coord, version=v - 1, cache_dir=tmp_path / "cache")
+        f = Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache")
         await f.catch_up(v)
         assert coord.version == v and f.version == v
         fresh = _engines(world, views[v])
@@ -103,7 +103,7 @@ async def test_bad_patches_are_refused_and_the_engine_is_untouched(published, tm
     engines, _, coord = await _start(root, views, 2, name="bad")
     board = LocalBoard(root / "board")
     cache = tmp_path / "c"
-    f = Follower(board, RUN, coord, version=0, cache_dir=cache)
+    f = Follower(board, RUN, coord, served=coord.served, cache_dir=cache)
     await f.catch_up(2)
     before = _engines(2, views[2])
     m3 = await read_manifest(board, RUN, 3)
@@ -180,7 +180,7 @@ async def test_extra_rank_requests_go_through_registered_handlers_only(published
     root, views = published
     _, replicas, coord = await _start(root, views, 2, name="extra")
     board = LocalBoard(root / "board")
-    await Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache").catch_up(1)
+    await Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache").catch_up(1)
     replies = await coord.rpc(Baseline(repeat=2))
     assert all(isinstance(r, BaselineReply) for r in replies)
     assert sum(r.elements for r in replies) == sum(
@@ -229,7 +229,7 @@ async def test_engine_started_from_plain_files_waits_for_a_snapshot(published, t
     assert await coord.start(plain) is None
     assert coord.check["ok"] is True and sorted(coord.fallback) == ["model.layers.1.scale"]
     board = LocalBoard(root / "board")
-    f = Follower(board, RUN, coord, version=None, cache_dir=tmp_path / "cache")
+    f = Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache")
     assert await f.sync() == N - 1
     assert f.applied == [0, *range(1, N)]  # the snapshot, then every patch
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[N - 1]), strict=True))
@@ -357,7 +357,7 @@ async def test_a_tensor_the_engine_does_not_load_is_neither_proven_nor_written(t
     assert coord.unheld == ["extra.weight"] and coord.status()["unheld_tensors"] == ["extra.weight"]
     assert sorted(coord.fallback) == ["model.layers.1.scale"]
     board = LocalBoard(tmp_path / "board")
-    f = Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache")
+    f = Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache")
     assert await f.sync() == 2
     want = _engines(2, {k: v for k, v in views[2].items() if k != "extra.weight"})
     assert all(_same(a, b) for a, b in zip(engines, want, strict=True))
@@ -423,7 +423,7 @@ async def test_patches_over_the_memory_budget_apply_in_batches_bit_exact(publish
     engines, _, coord = await _start(root, views, world, name="batched")
     coord.apply_memory = 900 * APPLY_BYTES_PER_ELEMENT  # 900 elements at a time
     board = LocalBoard(root / "board")
-    f = Follower(board, RUN, coord, version=0, cache_dir=tmp_path / "cache")
+    f = Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache")
     for v in range(1, 5):
         await f.catch_up(v)
         assert coord.version == v

@@ -260,8 +260,6 @@ async def test_min_newer_without_wait_is_refused():
 
 
 async def test_min_newer_with_wait_catches_up_and_serves_the_new_version():
-    app, gate, client = make()
-    gate.set_version(2)
     calls = []
 
     async def catch_up(v: int, timeout: float) -> bool:
@@ -271,7 +269,8 @@ async def test_min_newer_with_wait_catches_up_and_serves_the_new_version():
         await apply(gate, 4)
         return True
 
-    gate.catch_up = catch_up
+    app, gate, client = make(VersionGate(RUN, catch_up=catch_up))
+    gate.set_version(2)
     t0 = time.monotonic()
     resp = await client.post("/v1/completions", json={"prompt": "x"},
                              headers=hdrs(minimum=4, wait=5))
@@ -299,14 +298,12 @@ async def test_exact_newer_with_wait_wakes_on_set_version_without_catch_up():
 
 
 async def test_wait_times_out_with_409():
-    app, gate, client = make()
-    gate.set_version(2)
-    gate.set_latest(9)
-
     async def catch_up(v: int, timeout: float) -> bool:
         return False  # cannot get there
 
-    gate.catch_up = catch_up
+    app, gate, client = make(VersionGate(RUN, catch_up=catch_up))
+    gate.set_version(2)
+    gate.set_latest(9)
     t0 = time.monotonic()
     resp = await client.post("/v1/completions", json={}, headers=hdrs(minimum=9, wait=0.3))
     elapsed = time.monotonic() - t0
@@ -541,8 +538,8 @@ async def test_drain_timeout_bounds_the_wait_then_behaves_like_immediate():
 
 
 async def test_status_endpoint():
-    app, gate, client = make(VersionGate(RUN, mode="drain"))
-    gate.status_extra = lambda: {"fingerprint_ok": True, "patch_bytes": 42}
+    app, gate, client = make(VersionGate(
+        RUN, mode="drain", status_extra=lambda: {"fingerprint_ok": True, "patch_bytes": 42}))
     gate.set_version(3)
     gate.set_latest(5)
     resp = await client.get("/stitch/status")
@@ -580,8 +577,6 @@ async def test_gate_admit_release_accounting_without_http():
 
 
 async def test_concurrent_waiters_share_one_catch_up():
-    gate = VersionGate(RUN)
-    gate.set_version(1)
     calls = []
 
     async def catch_up(v: int, timeout: float) -> bool:
@@ -590,7 +585,8 @@ async def test_concurrent_waiters_share_one_catch_up():
         await apply(gate, v)
         return True
 
-    gate.catch_up = catch_up
+    gate = VersionGate(RUN, catch_up=catch_up)
+    gate.set_version(1)
     tickets = await asyncio.gather(*(gate.admit(None, 3, 2) for _ in range(5)))
     assert calls == [3]
     assert {gate.release(t) for t in tickets} == {(3, 3)}

@@ -233,9 +233,9 @@ async def test_follower_refuses_forgeries_and_keeps_its_version(signed_board, ke
     trusted = _signed(keys, "trainer")
     ts = TrustSet.parse([f"{keys['trainer']}.pub"])
     replica = MemoryReplica()
-    refusals: list[tuple[int, str | None]] = []
-    f = Follower(str(board_dir), RUN, replica, cache_dir=tmp_path / "cache", trust=ts,
-                 on_refused=lambda v, why: refusals.append((v, why)))
+    changes: list[dict] = []
+    f = Follower(str(board_dir), RUN, replica, cache_dir=tmp_path / "cache", trust=ts)
+    f.served.listen(lambda: changes.append(dict(f.served.refused)))
     assert await f.sync() == 3 and _equal(replica.tensors, views[3])
     signer = {"unsigned": None, "untrusted_key": _signed(keys, "attacker"),
               "edited_after_signing": trusted}[attack]
@@ -256,7 +256,8 @@ async def test_follower_refuses_forgeries_and_keeps_its_version(signed_board, ke
     st = f.status()
     assert st["refused"]["version"] == 4 and want in st["refused"]["reason"]
     assert st["trusted_keys"] == ts.ids
-    assert refusals == [(4, reason)]
+    assert dict(f.served.refused) == {4: reason}  # recorded once, where the gate reads it
+    assert [c for c in changes if c] == [{4: reason}]
     assert not (tmp_path / "cache" / RUN / "000004").exists()  # nothing fetched either
     await f.stop()
 
@@ -285,13 +286,12 @@ async def test_refused_version_replaced_by_a_signed_one_is_followed(signed_board
     views = signed_board[1]
     ts = TrustSet.parse([f"{keys['trainer']}.pub"])
     replica = MemoryReplica()
-    told: list = []
-    f = Follower(str(board_dir), RUN, replica, cache_dir=tmp_path / "cache", trust=ts,
-                 on_refused=lambda v, why: told.append((v, why)))
+    f = Follower(str(board_dir), RUN, replica, cache_dir=tmp_path / "cache", trust=ts)
     assert await f.sync() == 3
     _forge_next(board_dir, views, tmp_path, None)
     with pytest.raises(RefusedVersionError):
         await f.sync()
+    assert 4 in f.served.refused
     # the operator re-publishes v4 signed (here: the same bytes, signed by the trainer's key)
     m = Manifest.model_validate_json((board_dir / RUN / "versions/000004/manifest.json")
                                      .read_text())
@@ -301,7 +301,7 @@ async def test_refused_version_replaced_by_a_signed_one_is_followed(signed_board
     (board_dir / RUN / "latest").write_text(signer.sign(
         Latest(run=RUN, version=4, kind="patch", updated=now()), "latest").model_dump_json())
     assert await f.sync() == 4
-    assert told[-1] == (4, None) and f.status()["refused"] is None
+    assert 4 not in f.served.refused and f.status()["refused"] is None
     await f.stop()
 
 

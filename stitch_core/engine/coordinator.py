@@ -5,9 +5,12 @@ Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` 
 `pause`/`resume`
 (hold engine steps) and `after_apply(version)` (called while steps are still held, right after a
 version is in place: reset the prefix cache, tell the engine its weight version) hooks. It is the
-`apply` callback of a `stitch_core.versions.follower.Follower`. What the ranks hold, and its
-proof (start-up check, `verify`), is `stitch_core.engine.proof.HeldState`, which `Coordinator`
-extends with the apply transaction here.
+apply target (`stitch_core.versions.ports.ApplyTarget`) of a
+`stitch_core.versions.follower.Follower`. What the ranks hold, and its proof (start-up check,
+`verify`), is `stitch_core.engine.proof.HeldState`, which `Coordinator` extends with the apply
+transaction here. Each weight mutation runs inside the apply gate it is built with
+(`stitch_core.engine.ports.ApplyGate`: the node's `VersionGate`, or, with no requests to gate, a
+bare `ServedVersion`); its commit is what moves the served version.
 
 Why the coordinator, not every rank, decodes: ULP values are entropy-coded under contexts taken
 from the *old* value of each element, so a rank holding a slice of a tensor cannot decode a chunk
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from stitch_core.engine import rpc
+from stitch_core.engine.ports import ApplyGate
 from stitch_core.engine.proof import EngineStateError, HeldState, Rpc, load_host
 from stitch_core.engine.rpc import index_dtype
 from stitch_core.format import codec, dtypes
@@ -53,6 +57,7 @@ from stitch_core.format.patch import (
 from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.settings import APPLY_MEMORY, LOAD_TIMEOUT, RPC_TIMEOUT
 from stitch_core.versions.manifest import Manifest
+from stitch_core.versions.served import ServedVersion
 from stitch_core.versions.store import Step
 
 log = logging.getLogger("stitch.engine")
@@ -67,12 +72,15 @@ VersionHook = Callable[[int], Awaitable[Any]]
 class Coordinator(HeldState):
     """Drives one engine's ranks through start-up and each apply, and proves the result."""
 
-    def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
-                 metrics: Any = None, pause: Hook | None = None, resume: Hook | None = None,
+    def __init__(self, rpc: Rpc, *, run: str | None = None, gate: ApplyGate | None = None,
+                 pause: Hook | None = None, resume: Hook | None = None,
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
                  rpc_timeout: float | None = RPC_TIMEOUT, load_timeout: float | None = LOAD_TIMEOUT,
                  apply_memory: int = DEFAULT_APPLY_MEMORY):
-        super().__init__(rpc, run=run, gate=gate, metrics=metrics,
+        """`gate`: what every apply runs through, and whose served version it records (None: a
+        new `ServedVersion`, for a coordinator with no requests to gate)."""
+        self.gate: ApplyGate = gate if gate is not None else ServedVersion()
+        super().__init__(rpc, served=self.gate.served, run=run,
                          loader_fallback=loader_fallback, rpc_timeout=rpc_timeout,
                          load_timeout=load_timeout)
         # bytes an apply decodes at a time: a patch over it is applied in batches, each one
@@ -110,7 +118,7 @@ class Coordinator(HeldState):
                   "not serving until a snapshot is loaded", version, err, self.version,
                   ", ".join(bad[:5]))
         self.check = {"ok": False, "at": time.time(), "kind": "abort", "mismatched": bad[:20]}
-        self.set_version(None)
+        self.served.clear()
         raise EngineStateError(f"v{version} failed and the engine's weights could not be proven "
                                f"afterwards: {bad[0]}") from err
 
@@ -179,8 +187,6 @@ class Coordinator(HeldState):
             self.patch_bytes_total += m.patch_bytes
             self.last_apply = stats
             self.history.append(stats)
-            if self.metrics is not None and self.gate is None:  # a gate reports its applies
-                self.metrics.applied(m.version, stats["pause_s"], m.patch_bytes)
             return stats
 
     def _check(self, patch, m: Manifest) -> tuple[list[Any], list[Any]]:
@@ -324,8 +330,7 @@ class Coordinator(HeldState):
     async def _write(self, m: Manifest, aid: str,
                      batches: AsyncIterator[dict[str, np.ndarray]],
                      fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
-        gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
-        async with gate_cm as handle:
+        async with self.gate.applying(m.version) as handle:
             t0 = time.perf_counter()
             if self.pause is not None:
                 await self.pause()
@@ -363,12 +368,12 @@ class Coordinator(HeldState):
                 write_s = time.perf_counter() - t_w
                 self.fps = dict(m.fingerprints)
                 self.fallback.update(fb_new)
-                handle.commit(m.patch_bytes)
+                handle.commit(m.patch_bytes)  # proven by the ranks' read-back deltas
                 await self._after(m.version)
             finally:
                 await self._resume(proven)
             pause_s = time.perf_counter() - t0
-        self.set_version(m.version)  # proven by the ranks' read-back deltas
+        # the gate's commit made m.version the served one
         try:
             await self.call_ranks(rpc.Commit(aid))  # drops the ranks' undo logs; outside the pause
         except Exception as e:  # noqa: BLE001 - a rank may be gone: prove what is there
@@ -387,8 +392,7 @@ class Coordinator(HeldState):
             want = m.fingerprints
             if set(want) != set(self.shapes):
                 raise PatchError(f"snapshot v{m.version} has other tensors than the engine")
-            gate_cm = self.gate.applying(m.version) if self.gate is not None else _NoGate()
-            async with gate_cm as handle:
+            async with self.gate.applying(m.version) as handle:
                 if self.pause is not None:
                     await self.pause()
                 bad: list[str] = ["the load did not finish"]
@@ -400,7 +404,7 @@ class Coordinator(HeldState):
                     except Exception as e:  # noqa: BLE001 - a rank failed or hung mid-load
                         bad = [f"{type(e).__name__}: {e}"]
                     if bad:
-                        self.set_version(None)
+                        self.served.clear()
                         self.check = {"ok": False, "at": time.time(), "kind": "snapshot",
                                       "mismatched": bad[:20]}
                         self.last_abort = {"version": m.version, "error": bad[0],
@@ -411,13 +415,12 @@ class Coordinator(HeldState):
                         self.fallback = await asyncio.to_thread(
                             load_host, Path(snap_dir), set(self.fallback))
                     self.fps = dict(want)
+                    self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
+                                  "tensors": len(self.mult), "fallback": len(self.fallback)}
                     handle.commit()
                     await self._after(m.version)
                 finally:
                     await self._resume(not bad)
-            self.check = {"ok": True, "at": time.time(), "kind": "snapshot",
-                          "tensors": len(self.mult), "fallback": len(self.fallback)}
-            self.set_version(m.version)
 
     async def _after(self, version: int) -> None:
         if self.after_apply is not None:
@@ -429,16 +432,3 @@ class Coordinator(HeldState):
 
 async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
     yield item
-
-
-class _NoGate:
-    class _H:
-        def commit(self, patch_bytes: int | None = None) -> None:
-            pass
-
-    async def __aenter__(self):
-        return self._H()
-
-    async def __aexit__(self, *exc) -> bool:
-        return False
-

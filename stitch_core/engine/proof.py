@@ -3,10 +3,12 @@ against a manifest at start-up and on demand.
 
 `HeldState` is the proof side of `stitch_core.engine.coordinator.Coordinator` (which adds the
 apply transaction on top): it reaches a `stitch_core.engine.replica.RankReplica` in every
-tensor-parallel rank through the adapter's `rpc(request) -> [reply per rank]`, and keeps the
-version the ranks are proven to hold (`version`, `fps`) with what the proof learned of their
-layout: the copies of each tensor across ranks (`mult`), tensors the layout does not place exactly
-(`fallback`), tensors no rank holds (`unheld`), and engine parameters no loader writes (`derived`).
+tensor-parallel rank through the adapter's `rpc(request) -> [reply per rank]`, records the
+version the ranks are proven to hold in the `stitch_core.versions.served.ServedVersion` it is
+built with (`served`, shared with the follower and the gate; `version` reads it back), and keeps
+the fingerprints of that version (`fps`) with what the proof learned of their layout: the copies
+of each tensor across ranks (`mult`), tensors the layout does not place exactly (`fallback`),
+tensors no rank holds (`unheld`), and engine parameters no loader writes (`derived`).
 
 Start-up: the ranks learn their layout from the model's own loaders and report full sums; a
 tensor whose sums do not add up to multiplicity x its manifest fingerprint is not placed exactly
@@ -16,8 +18,8 @@ patch could not keep it in step. Either refuses the start, naming them, unless t
 fallback is opted into: then a transformed tensor goes through the engine's own loader with the
 reconstructed tensor (kept on the host here), unverified, and both are logged by name.
 
-`verify` recomputes every rank's full sums; whatever cannot be proven stops serving (the held
-version becomes None, so the gate answers not_ready) until a version is proven again.
+`verify` recomputes every rank's full sums; whatever cannot be proven stops serving (`served` is
+cleared, so the gate answers not_ready) until a version is proven again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from stitch_core.format import fingerprint as fpr
 from stitch_core.format.checkpoint import open_checkpoint
 from stitch_core.settings import LOAD_TIMEOUT, RPC_TIMEOUT
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
+from stitch_core.versions.served import ServedVersion
 from stitch_core.versions.store import RefusedVersionError, check_signed
 from stitch_core.versions.trust import TrustSet
 
@@ -75,9 +78,8 @@ class HeldState:
     """The version an engine's ranks are proven to hold, and the proof: start-up and full checks
     over rank RPCs."""
 
-    def __init__(self, rpc: Rpc, *, run: str | None = None, gate: Any = None,
-                 metrics: Any = None, loader_fallback: bool = False,
-                 rpc_timeout: float | None = RPC_TIMEOUT,
+    def __init__(self, rpc: Rpc, *, served: ServedVersion, run: str | None = None,
+                 loader_fallback: bool = False, rpc_timeout: float | None = RPC_TIMEOUT,
                  load_timeout: float | None = LOAD_TIMEOUT):
         self.rpc = rpc
         # every rank RPC is bounded: a hung rank fails the apply (then undone and proven, or
@@ -88,9 +90,7 @@ class HeldState:
         # the engine's own loader, which nothing can read back to verify
         self.loader_fallback = loader_fallback
         self.run = run
-        self.gate = gate
-        self.metrics = metrics
-        self.version: int | None = None
+        self.served = served
         self.fps: dict[str, int] = {}  # verified fingerprints of the version the engine holds
         self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self.mult: dict[str, int] = {}  # copies of each element across all ranks
@@ -102,6 +102,11 @@ class HeldState:
         self.check: dict[str, Any] = {"ok": None}
         # one proof or apply at a time (held by verify, and by the coordinator's apply and load)
         self.lock = asyncio.Lock()
+
+    @property
+    def version(self) -> int | None:
+        """The version the ranks are proven to hold (None: none), as recorded in `served`."""
+        return self.served.version
 
     async def call_ranks(self, req: rpc.Request, timeout: float | None = None) -> list[Any]:
         """`rpc(req)` on every rank, bounded by `timeout` (default `rpc_timeout`; EngineStateError
@@ -123,19 +128,7 @@ class HeldState:
         """Hold no version from now on (requests get not_ready) until one is proven again."""
         log.error("stitch: %s; not serving v%s any more", reason, self.version)
         self.check = {"ok": False, "at": time.time(), "kind": "stopped", "reason": reason}
-        self.set_version(None)
-
-    def set_version(self, v: int | None) -> None:
-        """Hold `v` (proven) or nothing (None: requests get not_ready), and tell the gate and
-        the metrics."""
-        self.version = v
-        if self.gate is not None:
-            if v is None:
-                self.gate.clear_version()
-            else:
-                self.gate.set_version(v)
-        if self.metrics is not None and v is not None:
-            self.metrics.set_version(v, getattr(self.gate, "latest", None))
+        self.served.clear()
 
     # ------------------------------------------------------------ start-up
 
@@ -213,7 +206,7 @@ class HeldState:
         self.check = {"ok": True, "at": time.time(), "kind": "full", "tensors": len(placed),
                       "fallback": len(fallback), "seconds": time.perf_counter() - t0}
         if m is not None:
-            self.set_version(m.version)
+            self.served.set(m.version)
         log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "
                  "kernels' packed copies kept in step: %s",
                  f"{m.run} v{m.version}" if m else str(model_dir), self.ranks, len(placed),
@@ -265,7 +258,7 @@ class HeldState:
         if bad:
             log.error("stitch: full check of v%s failed for %d tensors (%s); not serving",
                       self.version, len(bad), ", ".join(bad[:5]))
-            self.set_version(None)
+            self.served.clear()
         return self.check
 
 

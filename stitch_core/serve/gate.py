@@ -1,15 +1,21 @@
 """VersionGate: engine-agnostic admission control and version accounting for a serving engine.
 
-The engine (its coordinator) tells the gate which version it serves (`set_version`), which is the
-newest published (`set_latest`), and wraps each weight mutation in ``async with
-gate.applying(target) as h: ...; h.commit()``. The HTTP side (stitch_core.serve.asgi) asks the gate
-to
-`admit` each request with the version it wants, and `release`s it when the answer is complete,
-which yields the versions that may have produced its tokens:
+What is served, the newest published version and the refused ones are not the gate's: it reads
+them from the `stitch_core.versions.served.ServedVersion` it is built with (shared with the
+follower, which records what it reads on the board, and the coordinator, which records what the
+ranks are proven to hold), and is told of every change (a listener: waiters wake, metrics move).
+The coordinator wraps each weight mutation in ``async with gate.applying(target) as h: ...;
+h.commit()`` (the `stitch_core.engine.ports.ApplyGate` port). The HTTP side
+(stitch_core.serve.asgi) asks the gate to `admit` each request with the version it wants (a
+request that may wait asks the `CatchUp` port, `stitch_core.serve.ports`), and `release`s it when
+the answer is complete, which yields the versions that may have produced its tokens:
 
 * ``version_start``: the version serving at admission (during an apply, the outgoing one);
 * ``version_end``: the version serving at completion, or, when an apply is in progress then, that
   apply's target. ``[start, end]`` is thus a conservative superset of the versions involved.
+
+A request wanting a refused version (e.g. one whose signature is not trusted) gets a 409
+``refused`` naming why, at once, instead of waiting for it.
 
 Wrap only the weight mutation in `applying` (not downloads): requests finishing inside it report
 the target as their end, and exact pins on the outgoing version are refused meanwhile.
@@ -19,8 +25,8 @@ Apply modes: ``immediate`` applies at once; exact-pinned requests in flight are 
 `drain_timeout` seconds) for exact-pinned requests on the outgoing version to finish, refusing new
 ones meanwhile so an apply cannot starve; after the timeout it proceeds as ``immediate``.
 
-All waiting is event-driven. Use the gate from the event loop it serves (calls from another thread
-only wake the loop through ``call_soon_threadsafe``; keep them to `set_latest`).
+All waiting is event-driven. Use the gate from the event loop it serves (a change of the served
+version made from another thread only wakes the loop, through ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -32,22 +38,21 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from stitch_core.errors import StitchError
 from stitch_core.serve import protocol
 from stitch_core.serve.metrics import Metrics
+from stitch_core.serve.ports import CatchUp, StatusSource
 from stitch_core.settings import DRAIN_TIMEOUT
+from stitch_core.versions.served import Commit, ServedVersion
 
 log = logging.getLogger("stitch.gate")
 
 Mode = Literal["immediate", "drain"]
 MODES: tuple[str, ...] = ("immediate", "drain")
-
-
-REFUSED_KEPT = 16  # refused versions remembered by a gate (newest)
 
 
 class NotReadyError(StitchError, RuntimeError):
@@ -78,29 +83,26 @@ class Ticket:
     moved: bool = False  # the serving version changed while it was in flight
 
 
-class ApplyHandle:
+class ApplyHandle(Commit):
     """Yielded by `VersionGate.applying`: call `commit()` once the engine serves `target`."""
 
     def __init__(self, target: int, outgoing: int | None):
-        self.target = target
+        super().__init__(target)
         self.outgoing = outgoing
-        self.committed = False
-        self.patch_bytes = 0
         self.drain_seconds = 0.0
         self.drain_timed_out = False
-
-    def commit(self, patch_bytes: int | None = None) -> None:
-        """The engine now serves `target` (`patch_bytes`, if given, feeds the metrics)."""
-        self.committed = True
-        if patch_bytes:
-            self.patch_bytes = int(patch_bytes)
 
 
 class VersionGate:
     """Admission control and version accounting of one engine serving `run` (see the module doc)."""
 
     def __init__(self, run: str, *, mode: Mode = "immediate", drain_timeout: float = DRAIN_TIMEOUT,
-                 max_wait: float = protocol.DEFAULT_MAX_WAIT, metrics: Metrics | None = None):
+                 max_wait: float = protocol.DEFAULT_MAX_WAIT, metrics: Metrics | None = None,
+                 served: ServedVersion | None = None, catch_up: CatchUp | None = None,
+                 status_extra: StatusSource | None = None):
+        """`served`: the owner of the served version (None: a new one); `catch_up`: asked by
+        requests that may wait for a newer version (None: they wait for it to arrive);
+        `status_extra`: more fields for the status page."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.run = run
@@ -110,16 +112,14 @@ class VersionGate:
         self.metrics = metrics if metrics is not None else Metrics(run=run, enabled=False)
         if self.metrics.run is None:
             self.metrics.run = run
-        self.version: int | None = None
-        self.latest: int | None = None
-        self.catch_up: Callable[[int, float], Awaitable[bool]] | None = None
-        self.status_extra: Callable[[], dict] | None = None
+        self.served = served if served is not None else ServedVersion()
+        self.catch_up = catch_up
+        self.status_extra = status_extra
         self.last_apply_seconds: float | None = None
         self.last_apply_time: float | None = None  # wall clock of the last commit
         self.applies = 0
         self.drain_timeouts = 0
         self.not_ready_count = 0
-        self._gen = 0  # bumped whenever `version` changes
         self._pending: int | None = None  # target of an apply entered (draining or mutating)
         self._mutating: int | None = None  # target of an apply past its drain
         self._draining = False
@@ -132,9 +132,21 @@ class VersionGate:
         self._pinned: dict[int, int] = {}  # exact version -> in-flight pinned requests
         self._catchup_task: asyncio.Task | None = None
         self._catchup_target: int | None = None
-        self.refused: dict[int, str] = {}  # versions refused (e.g. untrusted) -> why, newest few
+        self.served.listen(self._served_changed)
 
-    # ----- state -----
+    # ----- state (the served version's, read from its owner) -----
+
+    @property
+    def version(self) -> int | None:
+        return self.served.version
+
+    @property
+    def latest(self) -> int | None:
+        return self.served.latest
+
+    @property
+    def refused(self) -> Mapping[int, str]:
+        return self.served.refused
 
     @property
     def state(self) -> str:
@@ -171,21 +183,17 @@ class VersionGate:
 
     # ----- engine side -----
 
-    def set_version(self, v: int) -> None:
-        """The engine holds verified version `v` (initial load or reload); wakes waiters."""
-        v = int(v)
-        if v != self.version:
-            self.version = v
-            self._gen += 1
-        if self.latest is None or self.latest < v:
-            self.latest = v
+    def _served_changed(self) -> None:
         self.metrics.set_version(self.version, self.latest)
         self._wake()
 
-    def clear_version(self) -> None:
-        """The engine no longer holds a version it can prove (a failed full check): requests are
-        refused (`not_ready`) until `set_version`."""
-        self.version = None
+    def set_version(self, v: int) -> None:
+        """Shorthand for ``served.set(v)`` (tests; a coordinator records in `served` itself)."""
+        self.served.set(v)
+
+    def set_latest(self, v: int) -> None:
+        """Shorthand for ``served.saw_latest(v)``."""
+        self.served.saw_latest(v)
 
     async def wait_version(self) -> int:
         """Wait (event-driven) until the engine holds a verified version; return it."""
@@ -194,40 +202,20 @@ class VersionGate:
             await self._changed.wait()
         return self.version
 
-    def refuse_version(self, v: int, reason: str | None) -> None:
-        """Version `v` was refused (e.g. its signature is not trusted): requests wanting it get a
-        409 ``refused`` naming why, at once, instead of waiting for it. `reason` None: `v` is
-        accepted after all (replaced on the board by a good one)."""
-        if reason is None:
-            self.refused.pop(int(v), None)
-            return
-        self.refused[int(v)] = reason
-        while len(self.refused) > REFUSED_KEPT:
-            del self.refused[min(self.refused)]
-        self._wake()
-
-    def set_latest(self, v: int) -> None:
-        """The newest published version is (at least) `v`."""
-        v = int(v)
-        if self.latest is None or v > self.latest:
-            self.latest = v
-            self.metrics.set_version(self.version, self.latest)
-            self._wake()
-
     @contextlib.asynccontextmanager
     async def applying(self, target: int) -> AsyncIterator[ApplyHandle]:
         """``async with gate.applying(target) as h: <mutate weights>; h.commit()``.
 
         One apply at a time. Drain mode first waits (bounded) for exact-pinned requests on the
-        outgoing version. On exit the version becomes `target` iff `h.commit()` was called.
+        outgoing version. On exit the served version becomes `target` iff `h.commit()` was
+        called.
         """
         target = int(target)
         self._bind_loop()
         async with self._lock:
             h = ApplyHandle(target, self.version)
             self._pending = target
-            if self.latest is None or self.latest < target:
-                self.latest = target  # it is published, since it is being applied
+            self.served.saw_latest(target)  # it is published, since it is being applied
             self._wake()
             t0 = time.monotonic()
             t1: float | None = None
@@ -247,16 +235,11 @@ class VersionGate:
                 seconds = time.monotonic() - (t1 if t1 is not None else t0)
                 self._pending = self._mutating = None
                 if h.committed:
-                    if self.version != target:
-                        self.version = target
-                        self._gen += 1
-                    if self.latest is None or self.latest < target:
-                        self.latest = target
                     self.applies += 1
                     self.last_apply_seconds = seconds
                     self.last_apply_time = time.time()
                     self.metrics.applied(target, seconds, h.patch_bytes)
-                    self.metrics.set_version(self.version, self.latest)
+                    self.served.set(target)  # its listener: metrics.set_version, wake
                 self._wake()
 
     async def _drain(self, outgoing: int) -> bool:
@@ -374,7 +357,7 @@ class VersionGate:
         return self._catchup_task
 
     def _ticket(self, exact: int | None, minimum: int | None) -> Ticket:
-        t = Ticket(exact=exact, minimum=minimum, start=self.version, gen=self._gen,
+        t = Ticket(exact=exact, minimum=minimum, start=self.version, gen=self.served.gen,
                    id=next(self._ids))
         self._in_flight.add(t)
         if exact is not None:
@@ -386,7 +369,7 @@ class VersionGate:
         if not ticket.released:
             ticket.released = True
             ticket.end = self.current_end()
-            ticket.moved = ticket.gen != self._gen
+            ticket.moved = ticket.gen != self.served.gen
             self._in_flight.discard(ticket)
             if ticket.exact is not None:
                 n = self._pinned.get(ticket.exact, 0) - 1
@@ -403,7 +386,7 @@ class VersionGate:
             return False
         if ticket.released:
             return ticket.moved or ticket.end != ticket.exact or ticket.start != ticket.exact
-        return ticket.gen != self._gen or self._mutating is not None
+        return ticket.gen != self.served.gen or self._mutating is not None
 
     def version_changed(self, ticket: Ticket) -> NotReadyError:
         """The 409 for a violated exact-pinned request (reason ``version_changed``); counted."""

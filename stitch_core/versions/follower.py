@@ -3,10 +3,16 @@
 It learns about versions from NATS announcements (a wake-up, never required) and from `latest` on
 the board, polled every `reconcile_interval` seconds, so a lost message delays nothing beyond that
 timer. It plans the cheapest path (a chain of patches, or the nearest snapshot), fetches each object
-once into a node-local cache, verifies sizes and SHA-256, and hands steps *in order* to an `apply`
-callback. The callback owns atomicity (an engine keeps serving its last good version when it
-raises). State is reported honestly: `not_ready` until a version is held, `catching_up` while
-behind, `applying` during a step, `serving` when current.
+once into a node-local cache, verifies sizes and SHA-256, and hands steps *in order* to its
+apply target (`stitch_core.versions.ports.ApplyTarget`), which owns atomicity (an engine keeps
+serving its last good version when it raises). State is reported honestly: `not_ready` until a
+version is held, `catching_up` while behind, `applying` during a step, `serving` when current.
+
+What is held, the newest published version and the refused ones live in a
+`stitch_core.versions.served.ServedVersion`: the follower records there what it reads on the
+board (`saw_latest`, `refuse`, `accept`). In an engine it is shared with the coordinator (which
+records what the ranks are proven to hold) and the gate (which admits requests from it); alone
+(`MemoryReplica`, `stitch follow`) the follower has its own and records each step it applied.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +33,8 @@ from stitch_core.versions.board.base import NotFoundError
 from stitch_core.versions.cache import DEFAULT_MAX_BYTES, CacheUse, prune
 from stitch_core.versions.manifest import Announcement, Heartbeat, check_run
 from stitch_core.versions.materialize import default_cache_dir
+from stitch_core.versions.ports import ApplyTarget
+from stitch_core.versions.served import ServedVersion
 from stitch_core.versions.state import engine_state, lag
 from stitch_core.versions.store import (
     RefusedVersionError,
@@ -41,8 +49,6 @@ from stitch_core.versions.store import (
 from stitch_core.versions.trust import TrustSet
 
 log = logging.getLogger("stitch.follower")
-ApplyFn = Callable[[Step, Path], Awaitable[None]]
-REFUSED_KEPT = 16  # refused versions remembered (newest)
 BAD_AFTER = 2  # a version whose patch fails this many times (bad bytes, missing) is routed around
 AVOID_TTL = 300.0  # seconds before a routed-around patch is tried again (it may be repaired)
 HINT_SLACK = 1024  # an announcement this far beyond the newest known version is suspicious
@@ -63,27 +69,27 @@ async def cancel_all(tasks: list[asyncio.Task]) -> None:
 class Follower:
     """Keeps an apply target at the newest version of `run` on a board (see the module doc)."""
 
-    def __init__(self, board: str | Board, run: str, apply: ApplyFn, *,
-                 version: int | None = None, nats: str | None = None,
+    def __init__(self, board: str | Board, run: str, apply: ApplyTarget, *,
+                 version: int | None = None, served: ServedVersion | None = None,
+                 nats: str | None = None,
                  cache_dir: str | os.PathLike | None = None,
                  reconcile_interval: float = RECONCILE_INTERVAL,
                  heartbeat_interval: float = 2.0, engine_id: str | None = None,
                  url: str | None = None, region: str | None = None, max_chain: int = 64,
-                 on_latest: Callable[[int], None] | None = None,
-                 held: Callable[[], int | None] | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
                  trust: TrustSet | None = None,
-                 on_refused: Callable[[int, str | None], None] | None = None,
                  cache_max_bytes: int | None = DEFAULT_MAX_BYTES,
                  load: Callable[[], int | None] | None = None):
+        """`served`: shared with an apply target that proves what it holds and records it there
+        (an engine's coordinator); None: the follower's own, starting at `version`, set after
+        each step applied."""
+        if served is not None and version is not None:
+            raise ValueError("give `served` (shared with the apply target) or `version`, not both")
         self.run = check_run(run)
         self.board = open_board(board) if isinstance(board, str) else board
         self._apply = apply
-        # the held version has one owner: the apply target when it proves what it holds (an
-        # engine's coordinator: `held`), else this follower, which sets it after each step
-        self._held = held
-        self._version = version
-        self.latest: int | None = self.version
+        self._records_steps = served is None
+        self.served = served if served is not None else ServedVersion(version)
         self.nats_url = nats
         self.cache = Path(cache_dir) if cache_dir else default_cache_dir()
         # the cache keeps what is in use and the newest snapshot + what leads from it, within
@@ -96,16 +102,11 @@ class Follower:
         self.heartbeat_interval = heartbeat_interval
         self.id = engine_id or f"{socket.gethostname()}-{os.getpid()}"
         self.url, self.region, self.max_chain = url, region, max_chain
-        self.on_latest = on_latest  # told every time a newer published version is seen
         self.on_dead = on_dead  # told once if the follow loop ends (it never should)
         # with keys: only versions (and `latest` pointers) signed by one of them are believed
         self.trust = trust if trust else None
-        # told (version, one-line reason) once per refused version; (version, None) if that
-        # version is accepted later (an operator replaced it with a signed one)
-        self.on_refused = on_refused
         # requests in flight in the engine (its VersionGate owns the count), for heartbeats
         self.load = load
-        self.refused: dict[int, str] = {}  # refused versions -> why (newest REFUSED_KEPT)
         self._failures: dict[int, int] = {}  # version -> failed fetches/applies of its patch
         self.avoid: dict[int, float] = {}  # versions routed around -> since (monotonic)
         self.avoid_spans: dict[tuple[int, int], float] = {}  # (base, version) of failed spans
@@ -131,13 +132,23 @@ class Follower:
     @property
     def version(self) -> int | None:
         """The version the apply target holds now (None: nothing proven)."""
-        return self._held() if self._held is not None else self._version
+        return self.served.version
+
+    @property
+    def latest(self) -> int | None:
+        """The newest published version seen."""
+        return self.served.latest
+
+    @property
+    def refused(self) -> Mapping[int, str]:
+        """Refused versions -> why."""
+        return self.served.refused
 
     def recheck(self) -> None:
         """What the target holds changed outside a step (e.g. a failed full check left it
         holding nothing provable): forget our own record, if we keep one, and re-plan now."""
-        if self._held is None:
-            self._version = None
+        if self._records_steps:
+            self.served.clear()
         self._wake.set()
 
     @property
@@ -175,25 +186,14 @@ class Follower:
                 "trusted_keys": self.trust.ids if self.trust else None,
                 "avoiding": sorted(self.avoid),
                 "avoiding_spans": [list(sp) for sp in sorted(self.avoid_spans)],
-                "refused": self._last_refusal()}
-
-    def _last_refusal(self) -> dict | None:
-        if not self.refused:
-            return None
-        v = max(self.refused)
-        return {"version": v, "reason": self.refused[v]}
+                "refused": self.served.last_refusal()}
 
     def _refuse(self, version: int, err: RefusedVersionError) -> None:
-        """`version` is not accepted by the trust set: logged and told once; nothing applied."""
-        if self.refused.get(version) == str(err):
-            return
-        self.refused[version] = str(err)
-        while len(self.refused) > REFUSED_KEPT:
-            del self.refused[min(self.refused)]
-        log.error("follower %s: refusing %s v%d: %s; still at v%s", self.id, self.run, version,
-                  err, self.version)
-        if self.on_refused is not None:
-            self.on_refused(version, str(err))
+        """`version` is not accepted by the trust set: recorded and logged once; nothing
+        applied."""
+        if self.served.refuse(version, str(err)):
+            log.error("follower %s: refusing %s v%d: %s; still at v%s", self.id, self.run,
+                      version, err, self.version)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -281,12 +281,6 @@ class Follower:
             self._announced_at.setdefault(ann.version, time.perf_counter())
         self._wake.set()
 
-    def _saw(self, version: int) -> None:
-        if self.latest is None or version > self.latest:
-            self.latest = version
-            if self.on_latest is not None:
-                self.on_latest(version)
-
     async def _loop(self) -> None:
         while True:
             try:
@@ -334,15 +328,14 @@ class Follower:
             except RefusedVersionError as e:
                 self._refuse(e.version, e)
                 raise
-            if self.refused.pop(m.version, None) is not None and self.on_refused is not None:
-                self.on_refused(m.version, None)  # a good version replaced the refused one
-            self._saw(m.version)
+            self.served.accept(m.version)  # a good version replaced a refused one, if any
+            self.served.saw_latest(m.version)
         if self.latest is not None and (self.version is None or self.latest > self.version):
             await self.catch_up(self.latest)
         return self.version
 
     async def catch_up(self, target: int) -> None:
-        self._saw(target)
+        self.served.saw_latest(target)
         async with self._lock:
             if self.version is not None and self.version >= target:
                 return
@@ -393,8 +386,8 @@ class Follower:
                     "apply_s": t1 - t0, "announced_at": self._announced_at.pop(step.version, None),
                     "current_at": t1})
                 self.patch_bytes_total += step.bytes if step.kind == "patch" else 0
-                if self._held is None:
-                    self._version = step.version
+                if self._records_steps:
+                    self.served.set(step.version)
                 elif self.version != step.version:
                     self.last_error = (f"v{step.version}: applied, but the target holds "
                                        f"v{self.version}")

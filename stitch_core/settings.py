@@ -164,6 +164,12 @@ class Settings(BaseModel):
     max_wait: Seconds = Field(MAX_WAIT, description="cap on `X-Stitch-Wait`")
     pause_steps: bool = Field(True, description=(
         "hold engine steps while ranks write (see \"Apply\")"))
+    kv_after_apply: Literal["recompute", "keep"] = Field("recompute", description=(
+        "requests running across an apply: `recompute` their KV cache with the new weights "
+        "(each token after the apply is exactly what the new version gives its prefix, as a fresh "
+        "engine would; one prefill per running request) or `keep` the KV the old weights "
+        "computed (cheaper; later tokens then come from a mix) "
+        "([protocol.md](protocol.md#per-token-version-spans))"))
     verify_interval: Seconds = Field(0.0, description=(
         "time between full fingerprint checks (0: at start-up only)"))
     loader_fallback: bool = Field(False, description=(

@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from stitch_core.engine import rpc
+from stitch_core.engine.proof import read_pulled_manifest
 from stitch_core.engine.replica import ReplicaError
 from stitch_core.node import (
     EngineFollower,
@@ -38,7 +39,7 @@ from stitch_core.node import (
     current,
     instance_guard,
 )
-from stitch_core.serve import protocol, route_table
+from stitch_core.serve import protocol, route_table, spans
 from stitch_core.serve.route_table import WEBSOCKET, Route, RouteInfo
 
 __all__ = ["VllmFollower", "StitchMiddleware", "Settings", "current", "classify", "FALLBACK"]
@@ -82,14 +83,60 @@ def api_keys(app: Any) -> list[str]:
     return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
 
 
+def record_spans(engine_client: Any) -> None:
+    """Report vLLM's per-token weight-version spans (`CompletionOutput.weight_versions`) of every
+    engine request made while serving a Stitch-admitted HTTP request into that request's
+    `stitch_core.serve.spans.SpanSink`. vLLM's OpenAI server layers call
+    ``engine_client.generate`` per prompt; the client's ``generate`` is wrapped on the instance
+    (vLLM has no output hook an in-process plugin could register instead)."""
+    inner = engine_client.generate
+    if getattr(inner, "_stitch_spans", False):
+        return
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        sink = spans.current()
+        outputs = inner(*args, **kwargs)
+        return outputs if sink is None else _recording(outputs, sink, sink.open_request())
+
+    generate._stitch_spans = True  # type: ignore[attr-defined]
+    engine_client.generate = generate
+
+
+async def _recording(outputs: Any, sink: spans.SpanSink, request: int) -> Any:
+    try:
+        async for out in outputs:
+            if out.finished:
+                for c in out.outputs:
+                    if c.weight_versions is not None:
+                        sink.record(request, c.index,
+                                    [(w.version, w.start, w.end) for w in c.weight_versions])
+            yield out
+    finally:
+        await outputs.aclose()
+
+
 class VllmFollower(EngineFollower):
-    """vLLM's follower (API server): RPC via `collective_rpc`, pauses via `pause_generation`."""
+    """vLLM's follower (API server): RPC via `collective_rpc`, pauses via `pause_generation`,
+    vLLM's weight-version label set to the Stitch version at every apply (per-token spans)."""
 
     engine_name = "vllm"
 
     def __init__(self, engine_client: Any, settings: Settings, model_dir: str | None = None):
         super().__init__(settings, model_dir or engine_client.model_config.model)
         self.engine = engine_client
+        record_spans(engine_client)
+
+    async def start(self) -> None:
+        # label the loaded weights with the version they are proven against before any request
+        # is admitted (a proof that fails serves nothing, whatever the label)
+        m = read_pulled_manifest(self.model_dir)
+        if m is not None:
+            await self.label(m.version)
+        await super().start()
+
+    async def label(self, version: int) -> None:
+        """vLLM's weight-version label: every engine step from now on reports `version`."""
+        await self.engine.update_weight_version(str(version))
 
     async def rpc(self, req: rpc.Request) -> list[rpc.Reply]:
         replies = [rpc.decode(r) for r in await self.engine.collective_rpc(
@@ -108,8 +155,17 @@ class VllmFollower(EngineFollower):
         await self.engine.resume_generation()
 
     async def after_apply(self, version: int) -> None:
-        # frees stale blocks when idle; refused while requests run (they are salted per version)
-        await self.engine.reset_prefix_cache()
+        # steps are held: the first step on the new weights is the first labelled `version`
+        try:
+            await self.label(version)
+        except Exception:
+            log.exception("stitch: cannot set vLLM's weight version to %s; per-token version "
+                          "spans of requests running now will not be reported", version)
+        # the prefix cache holds the old weights' KV; with `recompute` (STITCH_KV_AFTER_APPLY)
+        # the running requests are preempted too, and recompute theirs on the new weights when
+        # steps resume; with `keep` the reset is refused while requests run (they are salted)
+        await self.engine.reset_prefix_cache(
+            reset_running_requests=self.settings.kv_after_apply == "recompute")
 
 
 class StitchMiddleware(FollowerMiddleware):

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from stitch_core.errors import StitchError
-from stitch_core.serve import protocol
+from stitch_core.serve import protocol, spans
 from stitch_core.serve.asgi_types import (
     ASGIApp,
     Message,
@@ -33,6 +33,7 @@ from stitch_core.serve.asgi_types import (
 )
 from stitch_core.serve.gate import NotReadyError, VersionGate
 from stitch_core.serve.route_table import WEBSOCKET, Route, RouteTable
+from stitch_core.serve.spans import SpanSink
 from stitch_core.serve.stamping import Exchange, error_body
 from stitch_core.settings import Settings
 
@@ -209,7 +210,8 @@ class StitchASGI:
             await send_json(send, 409, error_body(route.dialect, e.body), [
                 (b"retry-after", str(e.retry_after).encode()), *run_header])
             return
-        exchange = Exchange(gate, ticket, send, _spec_version(scope), route.dialect)
+        sink = SpanSink()  # the engine plugin records the outputs' version spans here
+        exchange = Exchange(gate, ticket, send, _spec_version(scope), route.dialect, sink)
         try:
             if (self.salt and route.salt) or route.dialect == "responses":
                 salt = self.salt and route.salt
@@ -228,12 +230,15 @@ class StitchASGI:
                     return
             if ticket.exact is not None:  # may be cut: the app must be able to see a disconnect
                 receive = exchange.receive_from(receive)
+            bound = spans.bind(sink)
             try:
                 await self.app(scope, receive, exchange.send)
             except Exception as e:
                 if not exchange.stopped:
                     raise
                 log.debug("inner app ended after its stream was stopped: %r", e)
+            finally:
+                spans.unbind(bound)
         finally:
             gate.release(ticket)
 

@@ -22,6 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from stitch_core.errors import StitchError
+from stitch_core.serve import spans
+from stitch_core.serve.spans import Span
 from stitch_core.settings import MAX_WAIT
 from stitch_core.versions.state import EngineState, engine_state, lag  # noqa: F401 (re-exported)
 
@@ -32,11 +34,13 @@ WAIT_HEADER = "X-Stitch-Wait"
 # Response headers.
 VERSION_START_HEADER = "X-Stitch-Version-Start"
 VERSION_END_HEADER = "X-Stitch-Version-End"
+VERSION_SPANS_HEADER = "X-Stitch-Version-Spans"  # compact per-token spans (non-streamed answers)
 RUN_HEADER = "X-Stitch-Run"
 RETRY_AFTER_HEADER = "Retry-After"
 
 RESPONSE_FIELD = "stitch"
-"""JSON body field (and last SSE chunk field) carrying run / version_start / version_end."""
+"""JSON body field (and last SSE chunk field) carrying run / version_start / version_end, and
+where the engine reports them the per-token ``version_spans`` (`stitch_core.serve.spans`)."""
 
 NOT_READY_TYPE = "stitch_version_not_ready"
 BAD_REQUEST_TYPE = "stitch_bad_request"
@@ -203,19 +207,32 @@ def describe(reason: Reason, *, serving: int | None, wanted: int | None,
             "its output was discarded")
 
 
-def stitch_field(run: str, version_start: int | None, version_end: int | None) -> dict:
-    """The ``"stitch"`` response field."""
-    return {"run": run, "version_start": version_start, "version_end": version_end}
+def stitch_field(run: str, version_start: int | None, version_end: int | None,
+                 outputs: list[list[Span]] | None = None) -> dict:
+    """The ``"stitch"`` response field; with the engine's spans (one list per output),
+    ``choice_version_spans`` and, for an answer of one output, ``version_spans``."""
+    out: dict[str, Any] = {"run": run, "version_start": version_start,
+                           "version_end": version_end}
+    if outputs is not None:
+        if len(outputs) == 1:
+            out["version_spans"] = [list(s) for s in outputs[0]]
+        out["choice_version_spans"] = [[list(s) for s in o] for o in outputs]
+    return out
 
 
-def response_headers(run: str, version_start: int | None,
-                     version_end: int | None) -> list[tuple[bytes, bytes]]:
-    """The Stitch response headers as ASGI (name, value) pairs."""
+def response_headers(run: str, version_start: int | None, version_end: int | None,
+                     outputs: list[list[Span]] | None = None) -> list[tuple[bytes, bytes]]:
+    """The Stitch response headers as ASGI (name, value) pairs (the compact spans when given
+    and short enough for a header)."""
     out = [(RUN_HEADER.lower().encode(), run.encode("latin-1", "replace"))]
     if version_start is not None:
         out.append((VERSION_START_HEADER.lower().encode(), str(version_start).encode()))
     if version_end is not None:
         out.append((VERSION_END_HEADER.lower().encode(), str(version_end).encode()))
+    if outputs is not None:
+        text = spans.compact(outputs)
+        if len(text) <= spans.MAX_COMPACT:
+            out.append((VERSION_SPANS_HEADER.lower().encode(), text.encode()))
     return out
 
 
@@ -238,11 +255,28 @@ class StitchInfo(BaseModel):
     run: str
     version_start: int | None
     version_end: int | None
+    version_spans: list[tuple[int, int, int]] | None = None
+    choice_version_spans: list[list[tuple[int, int, int]]] | None = None
 
     @property
     def single_version(self) -> bool:
         """Whether every token came from one version."""
         return self.version_start is not None and self.version_start == self.version_end
+
+    def token_versions(self, choice: int = 0) -> list[int] | None:
+        """The version that sampled each output token of choice `choice` (None when the engine
+        did not report spans)."""
+        outputs = self.choice_version_spans
+        if outputs is None and self.version_spans is not None:
+            outputs = [self.version_spans]
+        if outputs is None or choice >= len(outputs):
+            return None
+        return spans.token_versions(outputs[choice])
+
+
+def parse_version_spans(value: str) -> list[list[Span]]:
+    """The ``X-Stitch-Version-Spans`` header: one checked span list per output (SpansError)."""
+    return spans.parse_compact(value)
 
 
 class NotReadyBody(BaseModel):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -30,6 +31,9 @@ from stitch_core.serve import protocol
 from stitch_core.serve.asgi_types import Message, Receive, Send, send_json, without_headers
 from stitch_core.serve.gate import Ticket, VersionGate
 from stitch_core.serve.route_table import Dialect
+from stitch_core.serve.spans import Span, SpanSink
+
+log = logging.getLogger("stitch.serve")
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(r"\r\n|\n|\r")
@@ -88,8 +92,10 @@ class Exchange:
     """
 
     def __init__(self, gate: VersionGate, ticket: Ticket, send: Send,
-                 spec_version: tuple[int, ...] = (2, 0), dialect: Dialect = "openai"):
+                 spec_version: tuple[int, ...] = (2, 0), dialect: Dialect = "openai",
+                 sink: SpanSink | None = None):
         self.gate, self.ticket, self._send = gate, ticket, send
+        self.sink = sink  # the engine's per-token version spans, when its plugin reports them
         self.dialect = dialect
         self._raise_on_send = spec_version >= (2, 4)
         self._stop = asyncio.Event()
@@ -106,6 +112,23 @@ class Exchange:
     @property
     def run(self) -> str:
         return self.gate.run
+
+    def _release(self) -> tuple[int | None, int | None, list[list[Span]] | None]:
+        """Release the ticket: (version_start, version_end, the engine's spans per output). With
+        spans, start and end are the first and last versions that sampled a token; spans naming
+        a version outside what the gate served during the request are not used."""
+        start, end = self.gate.release(self.ticket)
+        outputs = self.sink.spans() if self.sink is not None else None
+        if outputs is None:
+            return start, end, None
+        named = [v for o in outputs for v, _, _ in o]
+        if not named:
+            return start, end, outputs
+        if start is None or end is None or min(named) < start or max(named) > end:
+            log.warning("stitch: engine spans name versions %s-%s outside %s-%s; not used",
+                        min(named), max(named), start, end)
+            return start, end, None
+        return min(o[0][0] for o in outputs if o), max(o[-1][0] for o in outputs if o), outputs
 
     def _pinned_violated(self) -> bool:
         return self.ticket.exact is not None and self.gate.violated(self.ticket)
@@ -181,7 +204,7 @@ class Exchange:
             return
         body = b"".join(self._chunks)
         self._chunks = []
-        start, end = self.gate.release(self.ticket)
+        start, end, outputs = self._release()
         if self.status == 200 and self._pinned_violated():
             await self._refuse_changed()
             return
@@ -192,11 +215,13 @@ class Exchange:
             except (ValueError, UnicodeDecodeError):
                 obj = None
             if isinstance(obj, dict):
-                obj[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end)
+                obj[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end,
+                                                                     outputs)
                 body = json.dumps(obj, ensure_ascii=False).encode()
                 headers = [*without_headers(headers, b"content-length"),
                            (b"content-length", str(len(body)).encode())]
-        headers = [*headers, *protocol.response_headers(self.run, start, end)]
+        headers = [*headers, *protocol.response_headers(
+            self.run, start, end, outputs if self.status == 200 else None)]
         await self._send({"type": "http.response.start", "status": self.status,
                           "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
@@ -249,11 +274,11 @@ class Exchange:
 
     async def _mark(self, out: list[bytes]) -> bool:
         """Queue the "stitch" chunk (the request is complete here); False if cut instead."""
-        start, end = self.gate.release(self.ticket)
+        start, end, outputs = self._release()
         if self._pinned_violated():
             await self._cut()  # drops this message's events too: they may be the new version's
             return False
-        field = protocol.stitch_field(self.run, start, end)
+        field = protocol.stitch_field(self.run, start, end, outputs)
         if self.dialect == "responses":  # a typed event after the others
             ev: dict[str, Any] = {"type": "response.stitch"}
             if self._seq is not None:
@@ -311,21 +336,22 @@ class Exchange:
         for line in lines:
             obj = _json_line(line) if not self._marked else None
             if obj is not None and obj.get("done") is True:
-                start, end = self.gate.release(self.ticket)
+                start, end, outputs = self._release()
                 if self._pinned_violated():
                     await self._cut()
                     return
-                obj[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end)
+                obj[protocol.RESPONSE_FIELD] = protocol.stitch_field(self.run, start, end,
+                                                                     outputs)
                 line = json.dumps(obj, ensure_ascii=False).encode()
                 self._marked = True
             out.append(line + b"\n")
         if not more and not self._marked:
-            start, end = self.gate.release(self.ticket)
+            start, end, outputs = self._release()
             if self._pinned_violated():
                 await self._cut()
                 return
             out.append(json.dumps({protocol.RESPONSE_FIELD: protocol.stitch_field(
-                self.run, start, end)}).encode() + b"\n")
+                self.run, start, end, outputs)}).encode() + b"\n")
             self._marked = True
         if out or not more:
             await self._send({"type": "http.response.body", "body": b"".join(out),

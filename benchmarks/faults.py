@@ -66,7 +66,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from stitch_dev.fault_rig import N_VIEWS, Row, Truth, make_views, scenarios, short  # noqa: E402
+from stitch_dev.fault_rig.rig import Row, short  # noqa: E402
+from stitch_dev.fault_rig.scenarios import scenarios  # noqa: E402
+from stitch_dev.fault_rig.truth import N_VIEWS, Truth, make_views  # noqa: E402
 
 log = logging.getLogger("faults")
 ENGINE_ROWS = [("TP=2 rank raises mid-write", e) for e in ("vLLM", "SGLang")] + \

@@ -15,14 +15,15 @@ import asyncio
 
 import pytest
 
-from stitch_dev import fault_rig as faults
+from stitch_dev.fault_rig.scenarios import scenarios
+from stitch_dev.fault_rig.truth import N_VIEWS, Truth, make_views
 
 ROWS = ["corrupt", "bomb", "rank-lost", "board-refused", "trainer-killed"]
 
 
 @pytest.fixture(scope="module")
 def views():
-    return faults.make_views(faults.N_VIEWS)
+    return make_views(N_VIEWS)
 
 
 def _args() -> argparse.Namespace:
@@ -32,7 +33,7 @@ def _args() -> argparse.Namespace:
 
 @pytest.mark.parametrize("key", ROWS)
 def test_a_fault_serves_nothing_unproven_and_loses_nothing(key, views, tmp_path):
-    row = asyncio.run(faults.scenarios(views)[key](tmp_path, faults.Truth(views), _args()))
+    row = asyncio.run(scenarios(views)[key](tmp_path, Truth(views), _args()))
     assert row.unproven == 0, row
     assert row.served > 0, row  # the engine-step loop did serve (and check) requests
     assert row.lost == 0, row

@@ -1,5 +1,11 @@
 """Following a run inside an engine's server process, for any engine.
 
+Size: about 470 lines, one job: an engine's server following a run, as the engine plugins
+see it: `EngineFollower` (gate, coordinator and follower wired together) and
+`FollowerMiddleware` (the ASGI side that starts and owns it: its routes, guards and lifespan).
+Both are the plugins' import path (pinned in tests/test_architecture.py), and the middleware's
+routes are the follower's own.
+
 `EngineFollower` ties together, for one engine, each built with its collaborators:
 
 * a `stitch_core.serve.gate.VersionGate`, consulted by `FollowerMiddleware` (a

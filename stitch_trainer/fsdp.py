@@ -1,5 +1,10 @@
 """FSDP2 adapter: publish versions of a model sharded with `fully_shard`, never gathering it.
 
+Size: about 500 lines, one job: publishing versions from FSDP2-sharded ranks. The sharded
+publisher and its per-rank protocol (which rows each rank diffs and uploads, the fingerprint
+all-reduce, rank 0's manifest and `latest`) read as one; the local-rows helpers above it
+(`local_slice`, `read_rows`) exist for it and raise its `PublishError`.
+
 Every rank projects and diffs only its local shard (`DTensor.to_local()`), writes its part of the
 version's multi-part patch (`part-<rank>.stp`, chunk positions in each tensor's *global* flat
 index space) and uploads it itself. The ranks then exchange metadata only: one all-reduce of the
@@ -15,11 +20,7 @@ every rank builds the same manifest locally.
 
 Limits (docs/adapters/fsdp2.md): bf16/fp16 views only (fp8 raises NotImplementedError), only the
 first version is a snapshot (followers catch up through chains of patches), publish is synchronous,
-placements must be Shard(0) or Replicate (FSDP2, HSDP).
-
-Long on purpose (about 570 lines): the sharded publisher and its per-rank protocol (who
-writes which part, when the manifest is assembled) read as one.
-"""
+placements must be Shard(0) or Replicate (FSDP2, HSDP)."""
 
 from __future__ import annotations
 

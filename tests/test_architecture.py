@@ -193,3 +193,24 @@ def test_no_private_name_is_imported_from_another_module():
                     found += [f"{f.relative_to(root)}: {node.module}.{a.name}"
                               for a in node.names if a.name.startswith("_")]
     assert found == []
+
+
+def test_modules_stay_small_or_say_why():
+    """One job per module, about 400 lines as the norm: none over 600, and one over 400 says why
+    in a ``Size:`` paragraph of its module docstring (the dev-only harness, stitch_dev, too)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    too_long, unexplained = [], []
+    for pkg in (*PACKAGES, "stitch_dev"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            text = f.read_text()
+            lines = len(text.splitlines())
+            where = f"{f.relative_to(root)}: {lines} lines"
+            if lines > 600:
+                too_long.append(where)
+            elif lines > 400 and "Size:" not in (ast.get_docstring(ast.parse(text)) or ""):
+                unexplained.append(where)
+    assert too_long == []
+    assert unexplained == []

@@ -1,5 +1,9 @@
 """The node side of an engine follower: decode each patch once, drive every rank, prove the result.
 
+Size: about 430 lines, one job: one apply is one transaction (check, gather, decode, write,
+prove, commit or undo); splitting its steps over modules would hide the order that makes it
+safe.
+
 Engine-agnostic: an adapter gives it `rpc(method, payload) -> [reply per rank]` reaching a
 `stitch_core.engine.replica.RankReplica` in every tensor-parallel rank, plus optional
 `pause`/`resume`
@@ -21,11 +25,7 @@ target fingerprint of every tensor, and both version digests must match. A corru
 foreign or out-of-order patch is refused there, with the engine untouched. Only then are the
 ranks asked to write (engine steps held); each rank reads back what it wrote and reports its
 fingerprint delta over every copy it holds, and the sum over ranks must equal multiplicity x the
-change in the manifest fingerprint, or every rank undoes.
-
-Long on purpose (about 450 lines): one apply is one transaction (check, gather, decode, write,
-prove, commit or undo); splitting its steps over modules would hide the order that makes it safe.
-"""
+change in the manifest fingerprint, or every rank undoes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """Layout maps: where each element of a served-view (HF) tensor lives in an engine's parameters.
 
+Size: about 470 lines, one job: learning where each served-view element lives in an engine's
+parameters. Learning the map (the integer shadows) and its run encoding are one algorithm: the
+numba scans read what the shadows hold.
+
 A Stitch patch addresses the *served view*: HF tensor names, flat positions in HF shape, new bits.
 Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into
 ``gate_up_proj``, vocab rows padded, every linear sharded over tensor-parallel ranks. Rather than
@@ -22,11 +26,7 @@ A loader that transforms values instead of placing them yields a map that does n
 engine's weights; the coordinator detects that at start-up with fingerprints
 (``stitch_core.engine.coordinator``) and refuses to follow, naming the tensor, unless the loader
 fallback is opted into (``STITCH_LOADER_FALLBACK=1``: that tensor is then updated, unverified,
-through the engine's own loader).
-
-Long on purpose (about 470 lines): learning the map and its run encoding are one algorithm
-(the numba scans read what the shadows hold).
-"""
+through the engine's own loader)."""
 
 from __future__ import annotations
 

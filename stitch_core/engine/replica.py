@@ -1,5 +1,9 @@
 """Rank side of an in-place engine apply: gather old bits, write new bits, prove what was written.
 
+Size: about 410 lines, one job: the rank side of the apply protocol (gather, write with
+read-back, undo / commit, sums, whole-tensor loads) over one rank's layout; the bit helpers above
+`RankReplica` exist only for its writes and sums.
+
 One `RankReplica` lives next to the model in every tensor-parallel rank of an engine (a vLLM
 worker, an SGLang TP process). It never decodes a patch: the node's coordinator
 (`stitch_core.engine.coordinator`) decodes each patch once, and talks to the ranks in three calls:

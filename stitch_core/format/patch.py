@@ -1,12 +1,13 @@
 """diff(base, new) -> Patch and apply(base, patch) -> new, over dicts of tensors in HF layout.
 
+Size: about 590 lines, one job: the patch codec over dicts of tensors (`diff` and
+`PatchBuilder` write a patch, `apply`, `apply_entry` and `PatchSet` read one). The builder and
+the appliers share the chunk layout, the decoder and the whole-state checks, which must stay one
+definition, and every public name is pinned at this path (tests/test_architecture.py).
+
 Every tensor of both versions appears in the patch header with its fingerprints, so `apply`
 proves the whole result, not just the changed tensors: a wrong base, a wrong model or a corrupt
-payload is rejected with a PatchError and nothing is returned (or, in place, everything undone).
-
-Long on purpose (about 600 lines): the builder and the appliers share the chunk layout, the
-decoder and the whole-state checks, which must stay one definition.
-"""
+payload is rejected with a PatchError and nothing is returned (or, in place, everything undone)."""
 
 from __future__ import annotations
 

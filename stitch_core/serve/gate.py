@@ -1,5 +1,9 @@
 """VersionGate: engine-agnostic admission control and version accounting for a serving engine.
 
+Size: about 410 lines, one job: admission against the served version (`admit`, `release`,
+`applying` with its drain, shared catch-up waits). The tickets in flight and the apply window are
+one state that every admit and every apply reads.
+
 What is served, the newest published version and the refused ones are not the gate's: it reads
 them from the `stitch_core.versions.served.ServedVersion` it is built with (shared with the
 follower, which records what it reads on the board, and the coordinator, which records what the

@@ -1,5 +1,10 @@
 """`stitch gateway`: a fleet of Stitch engines behind one OpenAI-compatible endpoint.
 
+Size: about 410 lines, one job: the gateway's ASGI app (the fleet table from heartbeats, a
+request's route with its retries, the gateway's own routes). What could stand alone already does:
+admission (stitch_core.serve.admission), routing order (stitch_core.serve.routing) and HTTP rules
+(stitch_core.serve.proxy).
+
 A plain ASGI app (served by uvicorn; upstream through one ``httpx.AsyncClient``). It learns the
 engines of a run from their NATS heartbeats (the stream's last ones at start, then each new one),
 each admitted first (stitch_core.serve.admission: its own subject only, a sane clock, a plain

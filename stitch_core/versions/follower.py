@@ -1,5 +1,10 @@
 """Follower: keeps a replica at the newest version of a run, engine-agnostic.
 
+Size: about 460 lines, one job: the follow loop (hear of a version, plan, fetch, hand steps in
+order to the apply target) and the state it reports. Its failure accounting (the avoid list),
+cache pruning and health are read and written by that same loop; apart, they would scatter one
+state machine.
+
 It learns about versions from NATS announcements (a wake-up, never required) and from `latest` on
 the board, polled every `reconcile_interval` seconds, so a lost message delays nothing beyond that
 timer. It plans the cheapest path (a chain of patches, or the nearest snapshot), fetches each object

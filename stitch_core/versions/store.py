@@ -1,5 +1,9 @@
 """Versions on a board: write one (objects, then manifest, then `latest`), read and verify one,
-and plan how a holder of version `have` reaches version `target`."""
+and plan how a holder of version `have` reaches version `target`.
+
+Size: about 410 lines, one job: the versions of a run on a board: write them, read them
+through their checks, and plan a path between them from what those checked reads return. `Step`
+and `plan` are pinned at this path beside `read_manifest` (tests/test_architecture.py)."""
 
 from __future__ import annotations
 

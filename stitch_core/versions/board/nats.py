@@ -1,5 +1,10 @@
 """A board on NATS JetStream: objects in an object store bucket, `latest` in a KV bucket.
 
+Size: about 520 lines, one job: the `Board` interface on NATS JetStream. Its create-only
+chunked upload, digest-checked reads, `latest` CAS and bucket lookup share one connection, one
+set of JetStream error codes and the object store's layout; split, each piece would re-derive
+them.
+
 URL: `nats://host:port/<bucket>` (or `tls://`; bucket defaults to "stitch"). Objects live in the
 JetStream object store `<bucket>` under their board key; each run's `latest` is the key `<run>` of
 the KV bucket `<bucket>_latest`. Both buckets are created by the first write; reads only look them
@@ -12,11 +17,7 @@ create-only: the metadata is published with `Nats-Expected-Last-Subject-Sequence
 writers racing on one key cannot replace each other's object. `put` returns only after JetStream
 acknowledged every chunk and the metadata, i.e. the object is stored (with file storage, on disk
 per the server's sync policy; replicated to a quorum on a clustered stream). `move_latest` is a
-KV compare-and-swap on the entry's revision.
-
-Long on purpose (about 450 lines): one backend, object store + KV + announcements, with its
-connection handling.
-"""
+KV compare-and-swap on the entry's revision."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from stitch_core.engine import rpc
+from stitch_core.engine.proof import read_pulled_manifest
 from stitch_core.engine.replica import ReplicaError
 from stitch_core.node import (
     EngineFollower,
@@ -48,7 +49,7 @@ from stitch_core.node import (
     current,
     instance_guard,
 )
-from stitch_core.serve import protocol, route_table
+from stitch_core.serve import protocol, route_table, spans
 from stitch_core.serve.route_table import WEBSOCKET, Route, RouteInfo
 from stitch_core.versions.manifest import PULLED_MANIFEST
 
@@ -134,14 +135,53 @@ _ACTIVE = False  # the middleware was added to SGLang's app (this process follow
 _WAKE = threading.Event()  # a version is proven, or the server is stopping: warm-up may end
 
 
+def record_spans(tokenizer_manager: Any) -> None:
+    """Report SGLang's per-token weight-version spans (``meta_info["weight_versions"]`` of each
+    finished output) of every generation made while serving a Stitch-admitted HTTP request into
+    that request's `stitch_core.serve.spans.SpanSink`. SGLang's HTTP routes (native and OpenAI)
+    call ``tokenizer_manager.generate_request``; it is wrapped on the instance (SGLang has no
+    output hook an in-process plugin could register instead)."""
+    inner = tokenizer_manager.generate_request
+    if getattr(inner, "_stitch_spans", False):
+        return
+
+    def generate_request(*args: Any, **kwargs: Any) -> Any:
+        sink = spans.current()
+        outputs = inner(*args, **kwargs)
+        return outputs if sink is None else _recording(outputs, sink, sink.open_request())
+
+    generate_request._stitch_spans = True  # type: ignore[attr-defined]
+    tokenizer_manager.generate_request = generate_request
+
+
+async def _recording(outputs: Any, sink: spans.SpanSink, request: int) -> Any:
+    try:
+        async for out in outputs:
+            for i, o in enumerate(out if isinstance(out, list) else [out]):
+                meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
+                reported = meta.get("weight_versions")
+                if meta.get("finish_reason") is not None and reported is not None:
+                    sink.record(request, int(o.get("index", i)),
+                                [(w["version"], w["start"], w["end"]) for w in reported])
+            yield out
+    finally:
+        await outputs.aclose()
+
+
 class SglangFollower(EngineFollower):
-    """The follower in SGLang's HTTP process: RPC via the TokenizerManager, in-place pauses."""
+    """The follower in SGLang's HTTP process: RPC via the TokenizerManager, in-place pauses,
+    SGLang's weight-version label set to the Stitch version at every apply (per-token spans)."""
 
     engine_name = "sglang"
 
     def __init__(self, tokenizer_manager: Any, settings: Settings, model_dir: str | None = None):
         super().__init__(settings, model_dir or tokenizer_manager.server_args.model_path)
         self.tm = tokenizer_manager
+        record_spans(tokenizer_manager)
+        if settings.kv_after_apply == "recompute":
+            log.warning("stitch: SGLang keeps the KV cache of requests running across an apply "
+                        "(STITCH_KV_AFTER_APPLY=recompute is implemented for vLLM only); their "
+                        "version spans are exact, the tokens after an apply read old KV")
         self.ready = False  # the engine held a proven version once (SGLang's warm-up may run)
         self._comm: Any = None
         self._background: set[asyncio.Task] = set()
@@ -219,6 +259,12 @@ class SglangFollower(EngineFollower):
             log.warning("stitch: radix cache flush after v%s failed: %s", version, e)
 
     async def start(self) -> None:
+        # label the loaded weights with the version they are proven against before any request
+        # is admitted (a proof that fails serves nothing, whatever the label)
+        m = read_pulled_manifest(self.model_dir)
+        if m is not None:
+            self.tm.auto_create_handle_loop()
+            await self._set_weight_version(m.version)
         await super().start()
         self._tasks.append(asyncio.create_task(self._when_serving()))
 

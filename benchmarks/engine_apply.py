@@ -73,7 +73,14 @@ if str(ROOT) not in sys.path:  # stitch_dev (the development harness) lives in t
     sys.path.append(str(ROOT))
 
 from stitch_dev.ports import free_port  # noqa: E402
-from stitch_dev.procs import SGL_KERNEL_STUB, sglang_cmd, sglang_env, stitch_env, vllm_cmd  # noqa: E402
+from stitch_dev.procs import (  # noqa: E402
+    SGL_KERNEL_STUB,
+    sglang_cmd,
+    sglang_env,
+    stitch_env,
+    vllm_cmd,
+    vllm_env,
+)
 from stitch_dev.server import ServerProcess  # noqa: E402
 
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
@@ -97,10 +104,9 @@ SGLANG_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "disable_
 
 
 def _engine_env(**stitch: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    env.update(stitch_env(**stitch))
+    """A vLLM process's environment: the engine suites' (stitch_dev.procs.vllm_env, TP=1)."""
+    env = vllm_env(os.environ, **stitch)
+    env["TOKENIZERS_PARALLELISM"] = "false"
     return env
 
 
@@ -478,8 +484,8 @@ def run_engine_job(job: dict, log: Path, timeout: float, env: dict[str, str]) ->
 
 class Server(ServerProcess):
     """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
-    middleware (stitch_dev.procs.vllm_cmd, as tests/vllm/engines.py; TP=1, CPU), run from this
-    process's directory."""
+    middleware (stitch_dev.procs.vllm_cmd, as stitch_dev.engines.VllmServer; TP=1, CPU), run
+    from this process's directory."""
 
     name = "vLLM server"
 
@@ -512,7 +518,7 @@ class Server(ServerProcess):
 
 class SglangServer(Server):
     """`python -m sglang.launch_server` (CPU flags of stitch_dev.procs.sglang_cmd) made a
-    follower by the installed plugin and STITCH_* variables, as in tests/sglang/test_server.py
+    follower by the installed plugin and STITCH_* variables, as stitch_dev.engines.SglangServer
     (TP=1)."""
 
     name = "SGLang server"

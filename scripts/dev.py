@@ -355,8 +355,9 @@ def run_demo(cmd: list, env: dict[str, str]) -> int:
 
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint, the wheel check and the main suite in the foreground while the engine venvs build
-    in the background (niced); then the vLLM suite, then the SGLang suite. A table of the phases'
-    wall times ends the output, also when a phase failed."""
+    in the background (niced); then the vLLM suite, then the SGLang suite: each runs the engine
+    scenarios of tests/engines for its engine (STITCH_ENGINE), then its own directory. A table of
+    the phases' wall times ends the output, also when a phase failed."""
     bg = Background(phases, ROOT / ".venv-builds.log",
                     [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang)])
     wheel()  # built once, before the builds that install it start
@@ -369,15 +370,17 @@ def test(env: dict[str, str], phases: Phases) -> int:
         with phases("wheel check (clean venv)"):
             check_wheel()
         with phases("main suite"):
-            run(PY, "-m", "pytest", "-q", "--ignore=tests/vllm", "--ignore=tests/sglang",
-                *sys.argv[2:], env=env)
+            run(PY, "-m", "pytest", "-q", "--ignore=tests/engines", "--ignore=tests/vllm",
+                "--ignore=tests/sglang", *sys.argv[2:], env=env)
         bg.wait("vLLM venv")
         with phases("vLLM suite"):
             run(VLLM_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
                 "vllm")
-            venv_env = dict(env, STITCH_REQUIRE_VLLM="1",
+            # the engine scenarios (tests/engines, shared with SGLang) on vLLM, then vLLM's own
+            venv_env = dict(env, STITCH_ENGINE="vllm", STITCH_REQUIRE_VLLM="1",
                             PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-            run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/vllm", env=venv_env)
+            run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/engines", "tests/vllm",
+                env=venv_env)
         bg.wait("SGLang venv")
         with phases("SGLang suite"):
             run(SGLANG_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
@@ -385,10 +388,11 @@ def test(env: dict[str, str], phases: Phases) -> int:
             # the cross-engine test starts a vLLM server with the vLLM venv's python
             sglang_env = dict(
                 env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
+                STITCH_ENGINE="sglang", STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
                 STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"))
-            run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/sglang",
-                env=sglang_env)
+            # the engine scenarios (tests/engines, shared with vLLM) on SGLang, then SGLang's own
+            run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/engines",
+                "tests/sglang", env=sglang_env)
     finally:
         print(phases.table(), flush=True)
         sys.stdout.flush()

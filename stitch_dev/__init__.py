@@ -8,6 +8,8 @@ scripts and benchmarks add it themselves.
   environments (standard library: tests/sglang/smoke.py runs on its own)
 * ``server``: ``ServerProcess`` (an engine's HTTP server as a subprocess) and its status helpers
   (httpx)
+* ``engines``: the engine suites' servers (``VllmServer``, ``SglangServer``), fresh reference
+  engines, and the engine adapters (``VLLM``, ``SGLANG``) the scenarios of tests/engines run on
 * ``trainer``: ``AdamWTrainer``, the synthetic trainer of the engine suites
 * ``tinymodel``: tiny HF checkpoints; ``toy_engine``: the TP toy engine; ``ranks``: one process
   per rank

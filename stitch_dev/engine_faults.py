@@ -1,5 +1,5 @@
 """The fault rig of the real engines: faults during an apply on a real TP=2 engine, the scenario
-both engine suites run (tests/vllm/test_faults_tp2.py, tests/sglang/test_faults_tp2.py).
+both engine suites run (tests/engines/test_tp2_faults.py, once per engine).
 
 The engine runs with STITCH_FAILPOINTS=1 (so `POST /stitch/debug/arm` arms a rank's failpoint,
 stitch_core.engine.failpoints) and a short STITCH_RPC_TIMEOUT. For each fault the trainer

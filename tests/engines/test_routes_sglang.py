@@ -1,40 +1,25 @@
-"""Every route of SGLang that generates is version-controlled, and only past SGLang's own API-key
-check.
-
-* SGLang's real app (imported in this process, no engine): the routes Stitch finds in its route
-  table (admin endpoints and the tokenizer / parser / session ones left alone), and the order of
-  SGLang's real `--api-key` middleware and admission;
-* a real SGLang server (`--api-key`) whose loaded weights carry no Stitch version (a plain
-  checkpoint, STITCH_RUN set, no board): it holds no verified policy version, so every generating
-  route answers 409 not_ready in its own API's error shape (SGLang's warm-up is withheld
-  meanwhile), while the routes that generate nothing still answer; `/stitch/verify` takes the key
-  and is rate-limited.
-
-The served side runs on the following engine of test_server.py.
+"""SGLang's routes: every route of SGLang that generates is version-controlled, and only past
+SGLang's own API-key check. SGLang's real app (imported in this process, no engine): the routes
+Stitch finds in its route table (admin endpoints and the tokenizer / parser / session ones left
+alone), and the order of SGLang's real `--api-key` middleware and admission. The data of
+test_routes.py for SGLang (a real server holding no version, `--api-key`; SGLang's warm-up is
+withheld meanwhile): what generates, a body for each route. The served side runs on the follower
+(test_server_sglang.py).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
-import pytest
 
-if os.environ.get("STITCH_REQUIRE_SGLANG") != "1":
-    pytest.importorskip("sglang", reason="run in the SGLang venv (scripts/dev.py test)")
+import stitch_core.node as node
+from stitch_core.serve import protocol, route_table
+from stitch_core.serve.gate import VersionGate
+from stitch_sglang import server as sg
 
-import stitch_core.node as node  # noqa: E402
-from stitch_core.serve import protocol, route_table  # noqa: E402
-from stitch_core.serve.gate import VersionGate  # noqa: E402
-from stitch_dev.server import wait_started  # noqa: E402
-from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
-from stitch_sglang import server as sg  # noqa: E402
+from .test_routes import KEY, RUN
 
-from .engines import Server  # noqa: E402
-
-RUN = "sg-routes"
-KEY = "sg-routes-key"
 # what SGLang 0.5.23 generates (or pools) on
 GENERATING = {"/generate", "/encode", "/classify", "/v1/completions", "/v1/chat/completions",
               "/v1/embeddings", "/v1/classify", "/v1/audio/transcriptions", "/v1/score",
@@ -111,19 +96,13 @@ async def test_admin_key_only_still_guards_verify(monkeypatch):
         r = await c.post("/stitch/verify", headers={"Authorization": "Bearer adm"})
         assert r.status_code == 503
 
-
-@pytest.fixture(scope="module")
-def never(tmp_path_factory):
-    """A server that holds no verified policy version: a plain checkpoint has none."""
-    root = tmp_path_factory.mktemp("sglang-routes")
-    model_dir = build_tiny_model(root / "model", arch="qwen2", max_position_embeddings=512)
-    server = Server(model_dir, root / "server.log", api_key=KEY, run=RUN)
-    try:
-        st = wait_started(server)
-        assert st["state"] == "not_ready" and st["version"] is None, st
-        yield server
-    finally:
-        server.stop()
+# test_routes.py's server: its flags, the paths its not-ready check streams, the path of its
+# key check
+NEVER_KW: dict = {}
+STREAMED = ()
+# /stitch/status without the key: SGLang's key middleware guards all but /health, /ready, /metrics
+STATUS_ANON = 401
+KEYED = "/generate"
 
 
 def bodies(model: str) -> dict[str, dict]:
@@ -142,49 +121,11 @@ def bodies(model: str) -> dict[str, dict]:
     }
 
 
-def test_not_ready_engine_refuses_every_generating_route(never):
+def not_ready_extras(never) -> None:
     assert never.http.get("/health").status_code == 503  # SGLang's warm-up is withheld
-    st = never.http.get("/stitch/status")
-    assert st.status_code == 503
-    assert {r["path"] for r in st.json()["routes"]} >= GENERATING
-    for path, body in bodies(never.model).items():
-        for headers in ({}, {"X-Stitch-Version": "7"}):
-            r = never.http.post(path, json=body, headers=headers)
-            assert r.status_code == 409, (path, r.status_code, r.text)
-            assert int(r.headers["Retry-After"]) >= 1 and r.headers["X-Stitch-Run"] == RUN
-            err = protocol.parse_not_ready(r.json())
-            assert err.reason == "not_ready" and err.serving is None, (path, r.text)
-            assert err.wanted == (7 if headers else None)
-            assert (r.json().get("type") == "error") == (path == "/v1/messages")
     r = never.http.put("/generate", json=bodies(never.model)["/generate"])
     assert r.status_code == 409
-    # what generates nothing is not Stitch's to refuse
-    r = never.http.post("/tokenize", json={"model": never.model, "prompt": "hi"},
-                        headers={"X-Stitch-Version": "7"})
+
+
+def tokenized(r) -> None:
     assert r.status_code == 200, r.text
-    assert never.http.get("/v1/models").status_code == 200
-    # SGLang's key check first: without the key, 401 before any admission
-    anon = httpx.Client(base_url=never.url, timeout=60)
-    before = never.status()["not_ready_total"]
-    r = anon.post("/generate", json=bodies(never.model)["/generate"],
-                  headers={"X-Stitch-Version": "7", "X-Stitch-Wait": "30"})
-    assert r.status_code == 401 and never.status()["not_ready_total"] == before
-    anon.close()
-
-
-def test_verify_needs_the_key_and_is_rate_limited(never):
-    anon = httpx.Client(base_url=never.url, timeout=60)
-    r = anon.post("/stitch/verify")
-    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
-    assert anon.post("/stitch/verify", headers={"Authorization": "Bearer no"}).status_code == 401
-    anon.close()
-    deadline = time.monotonic() + 300  # the start-up check done (no version: plain files)
-    while (never.status().get("fingerprint_check") or {}).get("ok") is not True:
-        assert time.monotonic() < deadline, never.status()
-        time.sleep(0.5)
-    r = never.http.post("/stitch/verify")  # past the key: the ranks' weights are checked
-    # (the files' own fingerprints: every tensor a rank holds is proven, none is missing)
-    assert r.status_code == 200 and r.json()["ok"] is True and r.json()["tensors"] > 0, r.text
-    r = never.http.post("/stitch/verify")
-    assert r.status_code == 429 and r.json()["error"]["type"] == "stitch_rate_limited"
-    assert 1 <= int(r.headers["Retry-After"]) <= 10

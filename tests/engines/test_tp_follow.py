@@ -1,0 +1,103 @@
+"""Followers of a model of realistic shape at TP=1 and TP=2 (and, on vLLM, Qwen3-MoE at TP=2),
+against fresh engines of the same TP loaded from `stitch pull` of the same version.
+
+The realistic model (stitch_dev.tinymodel.REALISTIC: a tied Llama, 24 layers, GQA 8/2, hidden 512,
+vocab 32800) is trained by AdamW at an RL learning rate (3e-6), so each version flips a realistic
+~1% of the served bf16 weights; greedy tokens and top logprobs must equal a fresh engine's exactly.
+Where vLLM's CPU backend packs weights (AMX / oneDNN; a tied lm_head keeps its own packed copy of
+the embedding), the status names the packed copies kept in step and the test prints them;
+SGLang's CPU engine here packs nothing (its AMX path needs the real sgl-kernel, which has no CPU
+build on the registry): the test prints the path it exercised.
+
+TP=2 on the CPU: two worker (vLLM) or scheduler (SGLang) processes, gloo. Each rank learns its
+own layout (qkv/gate-up column slices, o/down row slices, vocab-parallel embedding and lm_head,
+replicated norms; for Qwen3-MoE also each expert's slice of the fused expert weights) through the
+engine's own loaders, writes only what it holds, and the coordinator checks that the two ranks'
+fingerprint sums add up (replicated tensors count once per rank). On SGLang the RPC reaches both
+ranks through one control request (rank 0 gathers).
+
+The engine's `shared` case runs first, on the session's TP=2 engine right after the fault
+scenarios (test_tp2_faults.py: an engine that lived through them must still match a fresh one);
+the others start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_dev.engines import adapter
+from stitch_dev.server import verify_clean
+from stitch_dev.tinymodel import REALISTIC
+
+from ..engine_common import follow_versions
+from .conftest import ENGINE, published_v0
+
+VERSIONS = 4
+CASES = [c for c in adapter(ENGINE).tp_cases if not c[2]] if ENGINE else []
+SHARED = [c for c in adapter(ENGINE).tp_cases if c[2]] if ENGINE else []
+
+
+def follow_and_compare(engine, server, trainer, root, tp: int, start: int, arch: str,
+                       record_cpu_path, stop) -> None:
+    """From `start` (the version the engine serves), follow VERSIONS versions, then compare with
+    a fresh engine of the same TP loaded from a pull of the last one (`stop()` first, unless
+    None: the cores go to the fresh engine)."""
+    st = server.wait_version(start, timeout=600)
+    assert st["ranks"] == tp and st["fingerprint_check"]["ok"] is True
+    assert st["fallback_tensors"] == []
+    record_cpu_path(st["derived_copies"])
+    changed = follow_versions(trainer, server, VERSIONS,
+                              lambda v: engine.pinned(server, v, 300))
+    target = start + VERSIONS
+    seen = server.outputs(target)
+    verify_clean(server)
+    if stop is not None:
+        stop()
+    d = root / f"pulled-{target}"
+    asyncio.run(pull(LocalBoard(root / "board"), trainer.pub.run, target, d, root / "cache",
+                     quiet=True))
+    assert engine.fresh_outputs([d], root, tp=tp)[str(d)] == seen
+    print(f"{arch} tp={tp}: elements changed per version {changed}")
+
+
+if SHARED:
+    @pytest.mark.parametrize(("arch", "tp", "shared"), SHARED,
+                             ids=[f"{a}-tp{t}-shared" for a, t, _ in SHARED])
+    def test_tp2_engine_after_the_faults_matches_a_fresh_engine(engine, tp2, arch, tp, shared,
+                                                                record_cpu_path):
+        assert tp2["arch"] == arch and tp == 2
+        trainer = tp2["trainer"]
+        follow_and_compare(engine, tp2["server"], trainer, tp2["root"], tp,
+                           trainer.step - 1, arch, record_cpu_path, None)
+
+
+@pytest.mark.parametrize(("arch", "tp", "shared"), CASES,
+                         ids=[f"{a}-tp{t}" for a, t, _ in CASES])
+def test_engine_follows_and_matches_a_fresh_engine(engine, tmp_path, nats_server, arch, tp,
+                                                   shared, record_cpu_path):
+    kw = REALISTIC if arch == "realistic" else {"arch": arch}
+    lr = 3e-6 if arch == "realistic" else 2e-3  # an RL learning rate on the realistic model
+    run = f"{engine.prefix}-tp"
+    trainer = published_v0(tmp_path, {"lr": lr}, nats_server.url, run, kw)
+    server = None
+    try:
+        server = engine.start(tmp_path / "v0", tmp_path / "server.log", tp=tp,
+                              board=str(tmp_path / "board"), nats_url=nats_server.url,
+                              run=run, cache_dir=str(tmp_path / "engine-cache"),
+                              reconcile_interval="1")
+        engine.ready(server, timeout=600)
+
+        def stop():
+            nonlocal server
+            server.stop()
+            server = None
+
+        follow_and_compare(engine, server, trainer, tmp_path, tp, 0, arch, record_cpu_path, stop)
+    finally:
+        if server is not None:
+            server.stop()
+        trainer.pub.close()

@@ -39,8 +39,8 @@ at vN") with the follower's own last error.
 Times scale with the follower's reconcile interval (``--reconcile``, 2 s here; engines default to
 ``STITCH_RECONCILE_INTERVAL`` = 5 s) and the rank RPC timeout (``--rpc-timeout``, 1 s here;
 ``STITCH_RPC_TIMEOUT`` = 300 s by default). With ``--engines`` the rows of the real engines come
-from ``tests/vllm/test_faults_tp2.py`` and ``tests/sglang/test_faults_tp2.py``, run by each
-engine venv's pytest with ``STITCH_FAULTS_OUT`` set (one JSON line per row).
+from ``tests/engines/test_tp2_faults.py``, run by each engine venv's pytest with
+``STITCH_ENGINE`` and ``STITCH_FAULTS_OUT`` set (one JSON line per row).
 """
 
 from __future__ import annotations
@@ -113,10 +113,11 @@ def read_engine_rows(path: Path) -> list[Row]:
 def engine_rows(args) -> list[Row]:
     out = Path(tempfile.mkdtemp(prefix="stitch-faults-engines-")) / "rows.jsonl"
     print(f"engine rows: {out}", file=sys.stderr, flush=True)
-    runs = [("vLLM", ROOT / ".venv-vllm", ROOT / "tests/vllm/test_faults_tp2.py",
-             {"STITCH_REQUIRE_VLLM": "1"}),
-            ("SGLang", ROOT / ".venv-sglang", ROOT / "tests/sglang/test_faults_tp2.py",
-             {"STITCH_REQUIRE_SGLANG": "1", "STITCH_REQUIRE_VLLM": "1",
+    test = ROOT / "tests/engines/test_tp2_faults.py"
+    runs = [("vLLM", ROOT / ".venv-vllm", test,
+             {"STITCH_ENGINE": "vllm", "STITCH_REQUIRE_VLLM": "1"}),
+            ("SGLang", ROOT / ".venv-sglang", test,
+             {"STITCH_ENGINE": "sglang", "STITCH_REQUIRE_SGLANG": "1", "STITCH_REQUIRE_VLLM": "1",
               "STITCH_VLLM_PYTHON": str(ROOT / ".venv-vllm/bin/python")})]
     missing: list[Row] = []
     for engine, venv, test, extra in runs:

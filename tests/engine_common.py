@@ -106,3 +106,33 @@ def sse_events(text: str) -> list[tuple[str | None, object]]:
         if data:
             out.append((name, data if data == "[DONE]" else json.loads(data)))
     return out
+
+
+class Stamp:
+    """The ``"stitch"`` field of an answer served wholly by version `v` of `run`, to compare with
+    ``==``: run, version_start = version_end = v and, where the engine reported per-token spans
+    (docs/protocol.md), one span of `v` from token 0 for every output; nothing else."""
+
+    SPANS = ("version_spans", "choice_version_spans")
+
+    def __init__(self, run: str, v: int):
+        self.run, self.v = run, v
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, dict):
+            return NotImplemented
+        if {k: other.get(k) for k in ("run", "version_start", "version_end")} != {
+                "run": self.run, "version_start": self.v, "version_end": self.v}:
+            return False
+        if set(other) - {"run", "version_start", "version_end", *self.SPANS}:
+            return False
+        outputs = other.get("choice_version_spans")
+        if outputs is None:
+            return "version_spans" not in other
+        one = all(len(o) == 1 and o[0][0] == self.v and o[0][1] == 0 for o in outputs)
+        single = other.get("version_spans") == outputs[0] if len(outputs) == 1 else \
+            "version_spans" not in other
+        return bool(outputs) and one and single
+
+    def __repr__(self) -> str:
+        return f"Stamp(run={self.run!r}, v={self.v}, spans of v only)"

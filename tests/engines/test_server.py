@@ -29,7 +29,7 @@ from stitch_core.versions.store import read_manifest
 from stitch_dev.engines import PROMPTS
 from stitch_dev.server import wait_rejected
 
-from ..engine_common import forge_next_version
+from ..engine_common import Stamp, forge_next_version
 
 
 def test_follows_ten_adamw_versions_bit_exact_with_fresh_engines(engine, follower):
@@ -81,7 +81,7 @@ def test_protocol_pinned_min_wait_and_409(follower):
     v = at_least_v1(follower)
     r = server.complete("Hello", {"X-Stitch-Version": str(v)})
     assert r.status_code == 200
-    assert r.json()["stitch"] == {"run": run, "version_start": v, "version_end": v}
+    assert r.json()["stitch"] == Stamp(run, v)
     # an older exact version: engines never go back
     r = server.complete("Hello", {"X-Stitch-Version": str(v - 1)})
     assert r.status_code == 409 and int(r.headers["Retry-After"]) >= 1
@@ -208,7 +208,7 @@ def test_forged_version_is_refused_and_serving_continues(engine, follower):
     assert server.http.post("/stitch/verify").json()["ok"] is True
 
 
-def pinned_and_stamped(server, anon: httpx.Client, path: str, body: dict, v: int, stamp: dict,
+def pinned_and_stamped(server, anon: httpx.Client, path: str, body: dict, v: int, stamp: Stamp,
                        anon_status: int) -> None:
     """One generating route: 409 pinned to a version the engine does not hold (in the route's
     error shape), stamped when served (headers and the JSON field); `anon_status` without the

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from ..engine_common import sse_events
+from ..engine_common import Stamp, sse_events
 from .test_routes_sglang import bodies
 from .test_server import at_least_v1, pinned_and_stamped, verify_takes_the_key
 
@@ -22,7 +22,7 @@ def test_native_generate_pinned_min_wait_and_409(follower):
     r = server.generate("Hello", {"X-Stitch-Version": str(v)})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["stitch"] == {"run": run, "version_start": v, "version_end": v}
+    assert body["stitch"] == Stamp(run, v)
     assert body["meta_info"]["weight_version"] == str(v)
     # an older exact version: engines never go back (POST and PUT /generate)
     for resp in (server.generate("Hello", {"X-Stitch-Version": str(v - 1)}),
@@ -58,7 +58,7 @@ def test_every_generating_route_is_pinned_and_stamped(follower):
     dialect); SGLang's key check first."""
     server, run = follower["server"], follower["run"]
     v = server.status()["version"]
-    stamp = {"run": run, "version_start": v, "version_end": v}
+    stamp = Stamp(run, v)
     b = bodies(server.model)
     anon = httpx.Client(base_url=server.url, timeout=120)
     for path in ("/v1/responses", "/v1/messages", "/invocations", "/api/generate", "/api/chat"):

@@ -15,7 +15,7 @@ from stitch_core.versions.materialize import pull
 from stitch_core.versions.store import read_manifest
 from stitch_dev.engines import PROMPTS
 
-from ..engine_common import sse_events
+from ..engine_common import Stamp, sse_events
 from .test_routes_vllm import bodies
 from .test_server import pinned_and_stamped, verify_takes_the_key
 
@@ -27,7 +27,7 @@ def test_every_generating_route_is_pinned_and_stamped(follower):
     last event in its dialect); vLLM's key check first."""
     server, run = follower["server"], follower["run"]
     v = server.status()["version"]
-    stamp = {"run": run, "version_start": v, "version_end": v}
+    stamp = Stamp(run, v)
     anon = httpx.Client(base_url=server.url, timeout=120)
     for path, body in bodies(server.model).items():
         # without the key: vLLM's 401 where vLLM guards the path, else as vLLM would (admitted)

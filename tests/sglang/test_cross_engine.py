@@ -25,6 +25,7 @@ from stitch_dev.server import ServerProcess  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
+from ..engine_common import Stamp  # noqa: E402
 from .engines import Server, VllmServer, vllm_python  # noqa: E402
 
 VLLM_PYTHON = vllm_python()
@@ -56,7 +57,7 @@ def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, na
                     "X-Stitch-Version": str(v), "X-Stitch-Wait": "120"}, json={
                     "model": e.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, (e.name, r.text)
-                assert r.json()["stitch"] == {"run": RUN, "version_start": v, "version_end": v}
+                assert r.json()["stitch"] == Stamp(RUN, v)
         manifest = asyncio.run(read_manifest(board, RUN, v))
         assert manifest.fingerprints == fpr.state_fingerprints(trainer.view())
         statuses = [e.status() for e in engines]

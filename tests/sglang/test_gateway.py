@@ -34,7 +34,7 @@ from stitch_dev.procs import sglang_cmd, stop  # noqa: E402
 from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
 from stitch_dev.trainer import AdamWTrainer  # noqa: E402
 
-from ..engine_common import sse_events  # noqa: E402
+from ..engine_common import Stamp, sse_events  # noqa: E402
 from .engines import Engine, VllmServer, engine_env, vllm_python  # noqa: E402
 
 RUN = "sg-gateway"
@@ -134,11 +134,11 @@ def test_each_request_goes_to_an_engine_serving_its_version(fleet):
     assert r.status_code == 200, r.text
     assert r.headers["x-stitch-engine"] == "vllm"
     assert r.headers["x-stitch-version-start"] == r.headers["x-stitch-version-end"] == "2"
-    assert r.json()["stitch"] == {"run": RUN, "version_start": 2, "version_end": 2}
+    assert r.json()["stitch"] == Stamp(RUN, 2)
     r = complete(gw, sglang.model, {protocol.VERSION_HEADER: "1"})
     assert r.status_code == 200, r.text
     assert r.headers["x-stitch-engine"] == "sglang"
-    assert r.json()["stitch"] == {"run": RUN, "version_start": 1, "version_end": 1}
+    assert r.json()["stitch"] == Stamp(RUN, 1)
     # unpinned: the gateway's own region (us) first
     r = complete(gw, vllm.model, {})
     assert r.status_code == 200 and r.headers["x-stitch-engine"] == "sglang"

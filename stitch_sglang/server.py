@@ -135,41 +135,24 @@ _ACTIVE = False  # the middleware was added to SGLang's app (this process follow
 _WAKE = threading.Event()  # a version is proven, or the server is stopping: warm-up may end
 
 
+def _reports(out: Any) -> Any:
+    """SGLang's weight-version spans of the finished outputs in one item (a dict, or a batch's
+    list of them) of ``generate_request``."""
+    for i, o in enumerate(out if isinstance(out, list) else [out]):
+        meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
+        reported = meta.get("weight_versions")
+        if meta.get("finish_reason") is not None and reported is not None:
+            yield int(o.get("index", i)), [(w["version"], w["start"], w["end"]) for w in reported]
+
+
 def record_spans(tokenizer_manager: Any) -> None:
-    """Report SGLang's per-token weight-version spans (``meta_info["weight_versions"]`` of each
-    finished output) of every generation made while serving a Stitch-admitted HTTP request into
-    that request's `stitch_core.serve.spans.SpanSink`. SGLang's HTTP routes (native and OpenAI)
-    call ``tokenizer_manager.generate_request``; it is wrapped on the instance (SGLang has no
-    output hook an in-process plugin could register instead)."""
-    inner = getattr(tokenizer_manager, "generate_request", None)
-    if inner is None:  # not SGLang's TokenizerManager as we know it: answers carry no spans
+    """Report SGLang's per-token weight-version spans (``meta_info["weight_versions"]``) into the
+    request's `SpanSink`: SGLang's HTTP routes (native and OpenAI) call
+    ``tokenizer_manager.generate_request`` (`stitch_core.serve.spans.record_into_sinks`)."""
+    if not spans.record_into_sinks(tokenizer_manager, "generate_request", _reports):
+        # not SGLang's TokenizerManager as we know it: answers carry no spans
         log.warning("stitch: the tokenizer manager has no generate_request; answers carry no "
                     "per-token version spans")
-        return
-    if getattr(inner, "_stitch_spans", False):
-        return
-
-    def generate_request(*args: Any, **kwargs: Any) -> Any:
-        sink = spans.current()
-        outputs = inner(*args, **kwargs)
-        return outputs if sink is None else _recording(outputs, sink, sink.open_request())
-
-    generate_request._stitch_spans = True  # type: ignore[attr-defined]
-    tokenizer_manager.generate_request = generate_request
-
-
-async def _recording(outputs: Any, sink: spans.SpanSink, request: int) -> Any:
-    try:
-        async for out in outputs:
-            for i, o in enumerate(out if isinstance(out, list) else [out]):
-                meta = o.get("meta_info", {}) if isinstance(o, dict) else {}
-                reported = meta.get("weight_versions")
-                if meta.get("finish_reason") is not None and reported is not None:
-                    sink.record(request, int(o.get("index", i)),
-                                [(w["version"], w["start"], w["end"]) for w in reported])
-            yield out
-    finally:
-        await outputs.aclose()
 
 
 class SglangFollower(EngineFollower):

@@ -83,36 +83,19 @@ def api_keys(app: Any) -> list[str]:
     return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
 
 
+def _reports(out: Any) -> Any:
+    """vLLM's weight-version spans of the finished outputs of one `RequestOutput`."""
+    if out.finished:
+        for c in out.outputs:
+            if c.weight_versions is not None:
+                yield c.index, [(w.version, w.start, w.end) for w in c.weight_versions]
+
+
 def record_spans(engine_client: Any) -> None:
-    """Report vLLM's per-token weight-version spans (`CompletionOutput.weight_versions`) of every
-    engine request made while serving a Stitch-admitted HTTP request into that request's
-    `stitch_core.serve.spans.SpanSink`. vLLM's OpenAI server layers call
-    ``engine_client.generate`` per prompt; the client's ``generate`` is wrapped on the instance
-    (vLLM has no output hook an in-process plugin could register instead)."""
-    inner = engine_client.generate
-    if getattr(inner, "_stitch_spans", False):
-        return
-
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        sink = spans.current()
-        outputs = inner(*args, **kwargs)
-        return outputs if sink is None else _recording(outputs, sink, sink.open_request())
-
-    generate._stitch_spans = True  # type: ignore[attr-defined]
-    engine_client.generate = generate
-
-
-async def _recording(outputs: Any, sink: spans.SpanSink, request: int) -> Any:
-    try:
-        async for out in outputs:
-            if out.finished:
-                for c in out.outputs:
-                    if c.weight_versions is not None:
-                        sink.record(request, c.index,
-                                    [(w.version, w.start, w.end) for w in c.weight_versions])
-            yield out
-    finally:
-        await outputs.aclose()
+    """Report vLLM's per-token weight-version spans (`CompletionOutput.weight_versions`) into the
+    request's `SpanSink`: vLLM's OpenAI server layers call ``engine_client.generate`` per prompt
+    (`stitch_core.serve.spans.record_into_sinks`)."""
+    spans.record_into_sinks(engine_client, "generate", _reports)
 
 
 class VllmFollower(EngineFollower):

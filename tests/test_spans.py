@@ -183,3 +183,28 @@ def test_sink_outside_a_request_is_none():
     finally:
         spans.unbind(token)
     assert spans.current() is None
+
+
+async def test_record_into_sinks_wraps_an_engine_generator_once():
+    class Engine:
+        async def generate(self, n):
+            for i in range(n):
+                yield {"i": i, "done": i == n - 1}
+
+    def reports(out):
+        if out["done"]:
+            yield 0, [("7", 0, out["i"] + 1)]
+
+    eng = Engine()
+    assert spans.record_into_sinks(eng, "generate", reports)
+    assert spans.record_into_sinks(eng, "generate", reports)  # idempotent
+    assert not spans.record_into_sinks(eng, "absent", reports)
+    assert [o["i"] async for o in eng.generate(2)] == [0, 1]  # no request: untouched
+    sink = SpanSink()
+    token = spans.bind(sink)
+    try:
+        assert [o["i"] async for o in eng.generate(3)] == [0, 1, 2]
+        assert [o["i"] async for o in eng.generate(1)] == [0]
+    finally:
+        spans.unbind(token)
+    assert sink.spans() == [[(7, 0, 2)], [(7, 0, 0)]]  # two engine requests, in call order

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from stitch_core.errors import StitchError
 
@@ -145,6 +146,42 @@ class SpanSink:
         if not self.outputs or self.error is not None:
             return None
         return [self.outputs[k] for k in sorted(self.outputs)]
+
+
+Reports = Callable[[Any], Iterable[tuple[int, Iterable[tuple[str, int, int]]]]]
+"""An engine's outputs item -> (output index, (label, start, end-exclusive) spans) of each
+finished output in it (none while it generates)."""
+
+
+def record_into_sinks(obj: Any, attr: str, reports: Reports) -> bool:
+    """Wrap the async-generator method `attr` of the engine object `obj` on the instance: each
+    call made while a Stitch-admitted request is served (`current()`) numbers an engine request
+    of that answer and records what `reports` finds in each item it yields. The engines have no
+    output hook an in-process plugin could register instead. False when `obj` has no `attr`."""
+    inner = getattr(obj, attr, None)
+    if inner is None:
+        return False
+    if getattr(inner, "_stitch_spans", False):
+        return True
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        sink = current()
+        outputs = inner(*args, **kwargs)
+        return outputs if sink is None else _recording(outputs, sink, sink.open_request(), reports)
+
+    wrapped._stitch_spans = True  # type: ignore[attr-defined]
+    setattr(obj, attr, wrapped)
+    return True
+
+
+async def _recording(outputs: Any, sink: SpanSink, request: int, reports: Reports) -> Any:
+    try:
+        async for out in outputs:
+            for index, labels in reports(out):
+                sink.record(request, index, labels)
+            yield out
+    finally:
+        await outputs.aclose()
 
 
 _CURRENT: contextvars.ContextVar[SpanSink | None] = contextvars.ContextVar(

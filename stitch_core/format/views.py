@@ -13,6 +13,11 @@ previous view. Rules:
   ``<name>_scale_inv`` for block (DeepSeek-V3 / Qwen3-FP8) and ``<name>_scale`` for tensor and
   channel (compressed-tensors). Every other floating tensor (norms, biases, embeddings, LM head)
   becomes bf16.
+* ``mxfp4`` / ``nvfp4``: the same weights (those with an even number of columns; odd ones stay
+  bf16) become packed E2M1 codes ``<m>.weight_packed`` (uint8, two per byte) plus
+  ``<m>.weight_scale`` (E8M0 as uint8 per 32 columns, resp. float8_e4m3fn per 16) and, for
+  nvfp4, ``<m>.weight_global_scale`` (float32 (1,)), in the compressed-tensors layout vLLM loads;
+  rules, conventions and pinning in ``stitch_core.format.fp4``. Other floats become bf16.
 * Non-floating tensors pass through unchanged. Every output is contiguous, on the input's
   device, and never aliases an input.
 
@@ -36,11 +41,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from stitch_core.format.fp4 import FP4_KINDS, MX_GROUP, NV_GROUP, dequantize_fp4, project_fp4
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TINY = 1e-12
 
-Kind = Literal["bf16", "fp16", "fp8-e4m3"]
+Kind = Literal["bf16", "fp16", "fp8-e4m3", "mxfp4", "nvfp4"]
 Granularity = Literal["tensor", "channel", "block"]
 
 
@@ -48,17 +55,22 @@ Granularity = Literal["tensor", "channel", "block"]
 class View:
     """A served view: its canonical name, kind and (fp8) granularity, block size and headroom."""
 
-    name: str  # canonical string, e.g. "bf16", "fp16", "fp8-e4m3-block"
+    name: str  # canonical string, e.g. "bf16", "fp16", "fp8-e4m3-block", "nvfp4"
     kind: Kind
     granularity: Granularity | None = None  # fp8 only
-    block: int = 128
-    headroom: float = 1 / 32  # fp8: relative headroom applied when a scale is (re)computed
+    block: int = 128  # fp8 block side; fp4: elements per scale group (32 mxfp4, 16 nvfp4)
+    headroom: float = 1 / 32  # relative headroom applied when a scale is (re)computed
 
     def __post_init__(self) -> None:
         if self.kind == "fp8-e4m3" and self.granularity not in ("tensor", "channel", "block"):
             raise ValueError(f"fp8 view needs a granularity, got {self.granularity!r}")
         if self.block < 1 or self.headroom < 0:
             raise ValueError(f"bad block={self.block} or headroom={self.headroom}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the view holds quantized weights (codes plus scales), not plain casts."""
+        return self.kind not in ("bf16", "fp16")
 
 
 _VIEWS = {
@@ -69,10 +81,12 @@ _VIEWS = {
         View("fp8-e4m3-tensor", "fp8-e4m3", "tensor"),
         View("fp8-e4m3-channel", "fp8-e4m3", "channel"),
         View("fp8-e4m3-block", "fp8-e4m3", "block"),
+        View("mxfp4", "mxfp4", block=MX_GROUP),
+        View("nvfp4", "nvfp4", block=NV_GROUP),
     )
 }
 _ALIASES = {"fp8-e4m3": "fp8-e4m3-block"}
-_CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8-e4m3": torch.bfloat16}
+_CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_view(spec: str | View) -> View:
@@ -148,7 +162,7 @@ def project(
     view: str | View,
     previous: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The served view of ``masters``; for fp8, scales are pinned to those in ``previous``."""
+    """The served view of ``masters``; for fp8 and fp4, scales are pinned to ``previous``'s."""
     v = parse_view(view)
     out: dict[str, torch.Tensor] = {}
     for name, t in masters.items():
@@ -158,8 +172,10 @@ def project(
             sname = scale_name(name, v.granularity)
             prev = previous.get(sname) if previous is not None else None
             out[name], out[sname] = _quantize(t, v, prev)
+        elif v.kind in FP4_KINDS and is_quantized_weight(name, t) and t.shape[1] % 2 == 0:
+            out.update(project_fp4(name, t, v.kind, v.block, v.headroom, previous))
         else:
-            out[name] = _copy(t, _CAST[v.kind])
+            out[name] = _copy(t, _CAST.get(v.kind, torch.bfloat16))
     return out
 
 
@@ -168,12 +184,17 @@ def dequantize(
 ) -> dict[str, torch.Tensor]:
     """float32 approximation of a view: code * scale for fp8 weights, float() for other floats.
 
-    Scale tensors are dropped; non-floating tensors pass through (copied).
+    Scale tensors are dropped; non-floating tensors pass through (copied). For fp4 views each
+    ``<m>.weight_packed`` (with its scales) becomes ``<m>.weight``.
     """
     v = parse_view(view)
     out: dict[str, torch.Tensor] = {}
     scales: set[str] = set()
+    if v.kind in FP4_KINDS:
+        out, scales = dequantize_fp4(view_tensors, v.kind, v.block)
     for name, t in view_tensors.items():
+        if name in scales:
+            continue
         if v.kind == "fp8-e4m3" and t.dtype == FP8_DTYPE:
             sname = scale_name(name, v.granularity)
             scale = view_tensors[sname].to(device=t.device, dtype=torch.float32)
@@ -187,14 +208,20 @@ def dequantize(
 
 
 def _scale_names(view_tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the float32 scale tensors that belong to fp8 weights in a view."""
+    """Names of the scale tensors of quantized weights in a view: float32 scales of fp8 weights;
+    ``_scale`` (and ``_global_scale``) of fp4 ``_packed`` codes."""
     names = []
     for name, t in view_tensors.items():
-        base = name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else None
-        if base is None and name.endswith("_scale"):
-            base = name.removesuffix("_scale")
-        w = view_tensors.get(base) if base is not None else None
-        if t.dtype == torch.float32 and w is not None and w.dtype == FP8_DTYPE:
+        for suffix in ("_scale_inv", "_global_scale", "_scale"):
+            if name.endswith(suffix):
+                base = name.removesuffix(suffix)
+                break
+        else:
+            continue
+        w, packed = view_tensors.get(base), view_tensors.get(base + "_packed")
+        if (t.dtype == torch.float32 and w is not None and w.dtype == FP8_DTYPE) or (
+            packed is not None and packed.dtype == torch.uint8
+        ):
             names.append(name)
     return names
 
@@ -204,7 +231,7 @@ def view_changed_scales(
 ) -> dict[str, int]:
     """Per scale tensor of ``new_view``: how many entries differ bitwise from ``prev_view``.
 
-    A scale that is new or changed shape counts every entry as changed.
+    A scale that is new or changed shape or dtype counts every entry as changed.
     """
     changed: dict[str, int] = {}
     for name in _scale_names(new_view):
@@ -212,6 +239,8 @@ def view_changed_scales(
         if old is None or old.shape != new.shape or old.dtype != new.dtype:
             changed[name] = new.numel()
             continue
-        old_bits = old.to(new.device).contiguous().view(torch.int32)
-        changed[name] = int((old_bits != new.contiguous().view(torch.int32)).sum())
+        width = new.element_size()
+        old_b = old.to(new.device).contiguous().view(torch.uint8).reshape(-1, width)
+        new_b = new.contiguous().view(torch.uint8).reshape(-1, width)
+        changed[name] = int((old_b != new_b).any(dim=1).sum())
     return changed

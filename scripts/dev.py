@@ -13,6 +13,9 @@ points, a CLI round trip), and in each engine venv.
     python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
                                     # suite (main, then the vLLM suite in .venv-vllm, then SGLang
                                     # in .venv-sglang)
+    python3 scripts/dev.py gpu-check [--device cpu] [--json] [--out FILE]   # core on a GPU
+    python3 scripts/dev.py gpu-bundle DIR   # the wheels + check for a GPU machine without
+                                            # a registry (docs/benchmarks.md, "GPU check")
 
 Only Python 3.11+ is assumed. torch is pinned to the CPU build 2.13.0 so that pip does not pull a
 multi-GB CUDA build on machines without a GPU (override with STITCH_TORCH_SPEC).
@@ -399,8 +402,65 @@ def test(env: dict[str, str], phases: Phases) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- the GPU check (never in `test`)
+# what the check needs beside the wheel: copied into a bundle as a `stitch_dev` of two modules
+GPU_CHECK_FILES = ("stitch_dev/gpu_check.py", "stitch_dev/toy_engine.py")
+GPU_RUNNER = """#!/usr/bin/env python3
+\"\"\"Stitch's GPU check from this bundle (python3 scripts/dev.py gpu-bundle DIR wrote it):
+python -m pip install --no-index --find-links DIR stitch-rl && python DIR/gpu_check.py\"\"\"
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stitch_dev.gpu_check import main  # noqa: E402
+
+sys.exit(main())
+"""
+
+
+def gpu_check(args: list[str]) -> int:
+    """`gpu-check [ARGS]`: stitch_dev/gpu_check.py under .venv's python, or this python where
+    there is no .venv (a GPU machine: torch there, the bundle's wheels installed; no set-up)."""
+    py = PY if PY.exists() else Path(sys.executable)
+    print(f"+ {py} -m stitch_dev.gpu_check {' '.join(args)}", flush=True)
+    return subprocess.run([str(py), "-m", "stitch_dev.gpu_check", *args], cwd=ROOT).returncode
+
+
+def gpu_bundle(args: list[str]) -> int:
+    """`gpu-bundle DIR`: the wheel, wheels of its dependencies but torch (built for this Python
+    and platform by `pip wheel`), the check's two modules, and runners, into DIR."""
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python3 scripts/dev.py gpu-bundle DIR", file=sys.stderr)
+        return 2
+    import tomllib
+
+    out = Path(args[0]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(wheel(), out)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = [d for d in deps if re.split(r"[\s\[<>=!~;]", d, maxsplit=1)[0].lower() != "torch"]
+    run(PY, "-m", "pip", "wheel", "-q", "-w", out, *deps)
+    (out / "stitch_dev").mkdir(exist_ok=True)
+    (out / "stitch_dev" / "__init__.py").write_text('"""The GPU check and its toy engine."""\n')
+    for f in GPU_CHECK_FILES:
+        shutil.copy2(ROOT / f, out / "stitch_dev")
+    (out / "gpu_check.py").write_text(GPU_RUNNER)
+    (out / "run.sh").write_text('#!/bin/sh\nd=$(dirname "$0"); python -m pip install -q '
+                                '--no-index --find-links "$d" stitch-rl && '
+                                'exec python "$d/gpu_check.py" "$@"\n')
+    (out / "run.sh").chmod(0o755)
+    wheels = sorted(p.name for p in out.glob("*.whl"))
+    print(f"{out}: {len(wheels)} wheels (for Python {sys.version_info.major}."
+          f"{sys.version_info.minor}, {sys.platform}): {', '.join(wheels)}\n"
+          f"on the GPU machine (torch installed): sh {out.name}/run.sh [--json] [--out FILE]",
+          flush=True)
+    return 0
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
+    if what == "gpu-check":  # no set-up: runs where there is no registry
+        return gpu_check(sys.argv[2:])
     phases = Phases()
     with phases("main venv + wheel"):
         setup()
@@ -416,7 +476,10 @@ def main() -> int:
         return run_demo([PY, ROOT / "scripts" / "demo.py", *args],
                         dict(env, STITCH_VLLM_VENV=str(VLLM_VENV),
                              STITCH_SGLANG_VENV=str(SGLANG_VENV)))
-    print(f"unknown command {what!r}; use demo | test | setup", file=sys.stderr)
+    if what == "gpu-bundle":
+        return gpu_bundle(sys.argv[2:])
+    print(f"unknown command {what!r}; use demo | test | setup | gpu-check | gpu-bundle",
+          file=sys.stderr)
     return 2
 
 

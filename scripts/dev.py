@@ -427,16 +427,18 @@ def gpu_check(args: list[str]) -> int:
 
 
 def gpu_bundle(args: list[str]) -> int:
-    """`gpu-bundle DIR`: the wheel, wheels of its dependencies but torch (built for this Python
-    and platform by `pip wheel`), the check's two modules, and runners, into DIR."""
-    if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python3 scripts/dev.py gpu-bundle DIR", file=sys.stderr)
+    """`gpu-bundle DIR`: a wheel of the checkout, wheels of its dependencies but torch (built
+    for this Python and platform by `pip wheel`), the check's two modules, and runners, into DIR.
+    Needs .venv (`setup`) and the package index; touches neither .venv nor dist/."""
+    if len(args) != 1 or args[0].startswith("-") or not PY.exists():
+        print("usage: python3 scripts/dev.py gpu-bundle DIR (after `setup`)", file=sys.stderr)
         return 2
     import tomllib
 
     out = Path(args[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(wheel(), out)
+    run(PY, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out, ROOT)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools' scratch
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     deps = [d for d in deps if re.split(r"[\s\[<>=!~;]", d, maxsplit=1)[0].lower() != "torch"]
     run(PY, "-m", "pip", "wheel", "-q", "-w", out, *deps)
@@ -445,22 +447,22 @@ def gpu_bundle(args: list[str]) -> int:
     for f in GPU_CHECK_FILES:
         shutil.copy2(ROOT / f, out / "stitch_dev")
     (out / "gpu_check.py").write_text(GPU_RUNNER)
-    (out / "run.sh").write_text('#!/bin/sh\nd=$(dirname "$0"); python -m pip install -q '
-                                '--no-index --find-links "$d" stitch-rl && '
-                                'exec python "$d/gpu_check.py" "$@"\n')
+    (out / "run.sh").write_text('#!/bin/sh\nd=$(dirname "$0"); py=${PYTHON:-python3}; $py -m pip '
+                                'install -q --no-index --find-links "$d" stitch-rl && '
+                                'exec $py "$d/gpu_check.py" "$@"\n')
     (out / "run.sh").chmod(0o755)
     wheels = sorted(p.name for p in out.glob("*.whl"))
     print(f"{out}: {len(wheels)} wheels (for Python {sys.version_info.major}."
           f"{sys.version_info.minor}, {sys.platform}): {', '.join(wheels)}\n"
-          f"on the GPU machine (torch installed): sh {out.name}/run.sh [--json] [--out FILE]",
+          f"on the GPU machine (torch installed): sh {out}/run.sh [--json] [--out FILE]",
           flush=True)
     return 0
 
 
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
-    if what == "gpu-check":  # no set-up: runs where there is no registry
-        return gpu_check(sys.argv[2:])
+    if what in ("gpu-check", "gpu-bundle"):  # no set-up (gpu-check: runs with no registry)
+        return (gpu_check if what == "gpu-check" else gpu_bundle)(sys.argv[2:])
     phases = Phases()
     with phases("main venv + wheel"):
         setup()
@@ -476,8 +478,6 @@ def main() -> int:
         return run_demo([PY, ROOT / "scripts" / "demo.py", *args],
                         dict(env, STITCH_VLLM_VENV=str(VLLM_VENV),
                              STITCH_SGLANG_VENV=str(SGLANG_VENV)))
-    if what == "gpu-bundle":
-        return gpu_bundle(sys.argv[2:])
     print(f"unknown command {what!r}; use demo | test | setup | gpu-check | gpu-bundle",
           file=sys.stderr)
     return 2

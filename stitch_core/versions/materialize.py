@@ -2,7 +2,9 @@
 
 Memory stays bounded by one shard: each shard of the base is loaded, every patch of the chain is
 applied to its tensors in order (each verified by fingerprint), and the shard is written. Tensors a
-patch adds go to the last shard; removed ones disappear from the index.
+patch adds go to the last shard; removed ones disappear from the index. `pull` then sets the
+directory's config.json `quantization_config` for the version's view
+(stitch_core.format.quant_config), so an engine loads quantized codes and scales as such.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from stitch_core.format.checkpoint import (
     write_index,
 )
 from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, check_digests, row
+from stitch_core.format.quant_config import write_quantization_config
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.board.base import Board
 from stitch_core.versions.cache import hold
@@ -264,6 +267,9 @@ async def _materialise(board: Board, steps: list[Step], out: Path, cache: Path, 
             leave=False,
         ) as bar:
             await asyncio.to_thread(apply_patches, base, readers, tmp, bar.update)
+        # how engines read the view's tensors (quantized views: codes + scales)
+        write_quantization_config(tmp / "config.json", target.view,
+                                  {t.name: (t.dtype, t.shape) for t in target.tensors})
         (tmp / PULLED_MANIFEST).write_text(target.model_dump_json(indent=1))
         if not back_ok:  # another pull may have written a newer one meanwhile
             check_not_back(out, run, version)

@@ -361,3 +361,39 @@ def test_mxfp4_scale_is_exact_at_powers_of_two():
     assert out["p.weight_scale"].reshape(-1).tolist() == [127 - 3, 127 + 4, 127 - 2]
     codes = fp4.unpack_nibbles(out["p.weight_packed"])
     assert codes[0, 5] == 7 and codes[1, 7] == 15  # +-6.0: the top of the grid, not clipped
+
+
+def test_nvfp4_fused_layers_share_one_global_scale():
+    g = torch.Generator().manual_seed(8)
+    pre = "model.layers.3"
+    m = {f"{pre}.self_attn.q_proj.weight": torch.randn(32, 64, generator=g) * 0.01,
+         f"{pre}.self_attn.k_proj.weight": torch.randn(16, 64, generator=g) * 0.5,
+         f"{pre}.self_attn.v_proj.weight": torch.randn(16, 64, generator=g) * 0.1,
+         f"{pre}.self_attn.o_proj.weight": torch.randn(64, 32, generator=g) * 0.1,
+         f"{pre}.mlp.gate_proj.weight": torch.randn(48, 64, generator=g) * 0.02,
+         f"{pre}.mlp.up_proj.weight": torch.randn(48, 64, generator=g) * 0.2}
+    v1 = project(m, "nvfp4")
+    gs = {n: v1[n + "_global_scale"] for n in m}
+    qkv = [n for n in m if n.split(".")[-2] in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [n for n in m if "mlp" in n]
+    for members in (qkv, gate_up):
+        amax = max(m[n].abs().max() for n in members)
+        want = torch.tensor(448.0 * 6.0) / (amax * torch.tensor(H))
+        for n in members:
+            assert same_bits(gs[n], want.reshape(1)), n  # the group's largest amax sets it
+    assert not same_bits(gs[qkv[0]], gs[gate_up[0]])
+    o = f"{pre}.self_attn.o_proj.weight"
+    assert same_bits(gs[o], fp4.quantize_nvfp4(m[o])[2])  # unfused: its own
+    deq = dequantize(v1, "nvfp4")
+    for n in m:  # the small members keep their precision through their block scales
+        assert ((deq[n] - m[n]).abs() <= 0.25 * m[n].abs() + 0.25 * m[n].abs().max() / 6).all()
+    # a member outgrowing the shared range re-scales the whole group, together
+    m2 = dict(m)
+    m2[qkv[0]] = m[qkv[0]].clone()
+    m2[qkv[0]][0, 0] = 10.0
+    v2 = project(m2, "nvfp4", previous=v1)
+    new = {n: v2[n + "_global_scale"] for n in qkv}
+    assert all(same_bits(new[n], new[qkv[0]]) for n in qkv)
+    assert not same_bits(new[qkv[0]], gs[qkv[0]])
+    for n in gate_up + [o]:
+        assert same_bits(v2[n + "_global_scale"], gs[n])

@@ -34,11 +34,15 @@ scale unless that scale is unusable (E8M0 255; E4M3 zero/NaN) or a value would c
 ``amax / s > 6`` with ``s`` the group's dequantisation factor. The nvfp4 global scale is kept
 (when finite and positive) unless some block would clip even at the largest block scale 448,
 ``amax_block / (448 / global_scale) > 6``; when it changes, every block scale is recomputed.
+Weights that vLLM fuses into one layer (q/k/v, gate/up, MLA q_a/kv_a of one module) share one
+global scale, as llm-compressor's ``update_fused_layer_weight_global_scales`` makes them (vLLM
+applies one per fused layer): fresh, from the largest amax of the group; kept only when every
+member holds the same usable previous one and no member's block would clip under it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,9 @@ E8M0_BIAS, E8M0_NAN = 127, 255
 MX_GROUP, NV_GROUP = 32, 16
 TINY = 1e-12
 FP4_KINDS = ("mxfp4", "nvfp4")
+# projections vLLM loads as one fused layer, whose nvfp4 global scales must be equal
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+         ("q_a_proj", "kv_a_proj_with_mqa"))
 # |x| thresholds at which the code magnitude steps up; ``True`` means the tie itself steps up
 # (the upper neighbour's code is even): 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4,
 # 5->4.
@@ -136,32 +143,62 @@ def quantize_mxfp4(
     return pack_nibbles(e2m1_encode(w32 / s)), scale.contiguous()
 
 
+def nvfp4_global(
+    amaxes: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor | None], headroom: float
+) -> tuple[torch.Tensor, bool]:
+    """(global scale, fresh?) shared by weights whose block amaxes are ``amaxes``: their common
+    previous global scale when every one has the same usable one and no block would clip at block
+    scale 448 under it, else ``448 * 6 / (max amax * (1 + h))``."""
+    p0 = prevs[0]
+    if p0 is not None and p0.shape == (1,) and all(
+        p is not None and p.shape == (1,) and torch.equal(p.view(torch.int32), p0.view(torch.int32))
+        for p in prevs
+    ):
+        g = p0.to(device=amaxes[0].device, dtype=torch.float32)
+        if bool(torch.isfinite(g).all() and (g > 0).all()) and all(
+            bool((a / torch.div(g.new_tensor(E4M3_MAX), g) <= FP4_MAX).all()) for a in amaxes
+        ):
+            return g, False
+    amax = torch.stack([a.amax() for a in amaxes]).amax().clamp_min(TINY)
+    # a true division (``float / tensor`` would multiply by a rounded reciprocal)
+    return torch.div(amax.new_tensor(E4M3_MAX * FP4_MAX), amax * (1 + headroom)).reshape(1), True
+
+
+def _nvfp4_codes(
+    w32: torch.Tensor, amax: torch.Tensor, g: torch.Tensor, fresh_global: bool,
+    prev_scale: torch.Tensor | None, headroom: float, group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    need = (amax.clamp_min(TINY) * (1 + headroom) * g / FP4_MAX).clamp(max=E4M3_MAX)
+    scale = _e4m3_ceil(need)
+    if not fresh_global and prev_scale is not None and prev_scale.shape == scale.shape:
+        p32 = prev_scale.to(device=scale.device, dtype=torch.float8_e4m3fn).to(torch.float32)
+        keep = (p32 > 0) & torch.isfinite(p32) & (amax / (p32 / g) <= FP4_MAX)
+        scale = torch.where(keep, p32, scale.to(torch.float32)).to(torch.float8_e4m3fn)
+    s = _expand(scale.to(torch.float32) / g, w32.shape[1], group)
+    return pack_nibbles(e2m1_encode(w32 / s)), scale.contiguous()
+
+
 def quantize_nvfp4(
     w: torch.Tensor, prev_scale: torch.Tensor | None = None,
     prev_global: torch.Tensor | None = None, headroom: float = 1 / 32, group: int = NV_GROUP,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed codes, E4M3 block scale, float32 global scale) of a 2-D weight (even columns)."""
+    """(packed codes, E4M3 block scale, float32 global scale) of one 2-D weight (even columns)
+    with a global scale of its own."""
     w32 = w.to(torch.float32).contiguous()
     amax = _group_amax(w32.abs(), group)
-    g = None
-    if prev_global is not None and prev_global.shape == (1,):
-        pg = prev_global.to(device=amax.device, dtype=torch.float32)
-        if bool(torch.isfinite(pg).all() and (pg > 0).all()) and bool(
-            (amax / (E4M3_MAX / pg) <= FP4_MAX).all()
-        ):
-            g = pg
-    fresh_global = g is None
-    if g is None:
-        g = (E4M3_MAX * FP4_MAX) / (amax.amax().clamp_min(TINY) * (1 + headroom)).reshape(1)
-    need = (amax.clamp_min(TINY) * (1 + headroom) * g / FP4_MAX).clamp(max=E4M3_MAX)
-    scale = _e4m3_ceil(need)
-    if not fresh_global and prev_scale is not None and prev_scale.shape == scale.shape:
-        prev = prev_scale.to(device=scale.device, dtype=torch.float8_e4m3fn)
-        p32 = prev.to(torch.float32)
-        keep = (p32 > 0) & torch.isfinite(p32) & (amax / (p32 / g) <= FP4_MAX)
-        scale = torch.where(keep, p32, scale.to(torch.float32)).to(torch.float8_e4m3fn)
-    s = _expand(scale.to(torch.float32) / g, w32.shape[1], group)
-    return pack_nibbles(e2m1_encode(w32 / s)), scale.contiguous(), g.contiguous()
+    g, fresh = nvfp4_global([amax], [prev_global], headroom)
+    packed, scale = _nvfp4_codes(w32, amax, g, fresh, prev_scale, headroom, group)
+    return packed, scale, g.contiguous()
+
+
+def fused_key(name: str) -> str:
+    """Weights vLLM fuses into one layer (q/k/v, gate/up, MLA q_a/kv_a) share a key; others
+    have their own name as key."""
+    for members in FUSED:
+        for m in members:
+            if name.endswith(f".{m}.weight"):
+                return name.removesuffix(f"{m}.weight") + "+".join(members)
+    return name
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, group: int = MX_GROUP):
@@ -178,16 +215,31 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: to
     return vals * _expand(s, vals.shape[1], group)
 
 
-def project_fp4(name: str, t: torch.Tensor, kind: str, group: int, headroom: float,
+def project_fp4(weights: Mapping[str, torch.Tensor], kind: str, group: int, headroom: float,
                 previous: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The view tensors of one quantized weight ``name`` (kind ``mxfp4`` or ``nvfp4``)."""
-    pname, sname, gname = fp4_names(name)
+    """The view tensors of the quantized weights ``weights`` (kind ``mxfp4`` or ``nvfp4``);
+    nvfp4 weights with the same ``fused_key`` share one global scale."""
     prev = previous or {}
+    out: dict[str, torch.Tensor] = {}
     if kind == "mxfp4":
-        packed, scale = quantize_mxfp4(t, prev.get(sname), headroom, group)
-        return {pname: packed, sname: scale}
-    packed, scale, g = quantize_nvfp4(t, prev.get(sname), prev.get(gname), headroom, group)
-    return {pname: packed, sname: scale, gname: g}
+        for name, t in weights.items():
+            pname, sname, _ = fp4_names(name)
+            out[pname], out[sname] = quantize_mxfp4(t, prev.get(sname), headroom, group)
+        return out
+    fused: dict[str, list[str]] = {}
+    for name in weights:
+        fused.setdefault(fused_key(name), []).append(name)
+    for names in fused.values():
+        w32 = {n: weights[n].to(torch.float32).contiguous() for n in names}
+        amax = {n: _group_amax(w32[n].abs(), group) for n in names}
+        g, fresh = nvfp4_global([amax[n] for n in names],
+                                [prev.get(fp4_names(n)[2]) for n in names], headroom)
+        for n in names:
+            pname, sname, gname = fp4_names(n)
+            out[pname], out[sname] = _nvfp4_codes(w32[n], amax[n], g, fresh, prev.get(sname),
+                                                  headroom, group)
+            out[gname] = g.clone()
+    return out
 
 
 def dequantize_fp4(view_tensors: Mapping[str, torch.Tensor], kind: str,

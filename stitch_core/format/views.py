@@ -165,6 +165,7 @@ def project(
     """The served view of ``masters``; for fp8 and fp4, scales are pinned to ``previous``'s."""
     v = parse_view(view)
     out: dict[str, torch.Tensor] = {}
+    fp4: dict[str, torch.Tensor] = {}  # projected together: nvfp4 fused layers share a scale
     for name, t in masters.items():
         if not t.is_floating_point():
             out[name] = _copy(t)
@@ -173,9 +174,11 @@ def project(
             prev = previous.get(sname) if previous is not None else None
             out[name], out[sname] = _quantize(t, v, prev)
         elif v.kind in FP4_KINDS and is_quantized_weight(name, t) and t.shape[1] % 2 == 0:
-            out.update(project_fp4(name, t, v.kind, v.block, v.headroom, previous))
+            fp4[name] = t
         else:
             out[name] = _copy(t, _CAST.get(v.kind, torch.bfloat16))
+    if fp4:
+        out.update(project_fp4(fp4, v.kind, v.block, v.headroom, previous))
     return out
 
 

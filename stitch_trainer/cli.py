@@ -8,23 +8,33 @@ the core lists the verbs it finds there, so it never imports a trainer.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from stitch_core.format.checkpoint import open_checkpoint
-from stitch_core.versions.board import open_board
-from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
-from stitch_core.versions.materialize import default_cache_dir, pull, remove
-from stitch_trainer.publisher import Publisher
+if TYPE_CHECKING:  # the modules a publish needs are imported by `cmd_publish`: every other verb
+    import torch  # of the command line loads this module, and pays nothing for them
+
+    from stitch_core.format.checkpoint import Checkpoint
+    from stitch_trainer.publisher import Publisher
 
 __all__ = ["add_publish"]
 
 
 def cmd_publish(a: argparse.Namespace) -> int:
-    """`stitch publish`: publish masters as the run's next version; returns the exit status."""
+    """`stitch publish`: publish masters as the run's next version; returns the exit status.
+
+    The base of the patch is the run's `latest`: the view the last `stitch publish` kept in its
+    local state (`stitch_trainer.publish_state`) when that is exactly the board's `latest`,
+    else `latest` materialised from the board (said on stderr)."""
+    from stitch_core.format.checkpoint import open_checkpoint
+    from stitch_core.versions.materialize import default_cache_dir
+    from stitch_trainer import publish_state
+    from stitch_trainer.publisher import Publisher
+
     src = open_checkpoint(a.src)
-    masters = {n: src.load(n) for n in src.names()}
+    masters = load_all(src)
     config_dir = a.config_dir or (str(src.path) if src.is_dir else None)
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
     with Publisher(
@@ -32,22 +42,20 @@ def cmd_publish(a: argparse.Namespace) -> int:
         config_dir=config_dir, signing_key=a.sign, keep_snapshots=a.keep_snapshots,
     ) as pub:
         prev = pub.published
-        if prev is not None:  # diff against the run's latest: materialise it
-
-            async def fetch() -> Path:
-                async with open_board(a.board) as board:
-                    d = cache / a.run / f"pulled-{prev:06d}"
-                    if not d.exists():
-                        await pull(board, a.run, prev, d, cache, quiet=True)
-                    return d
-
-            d = asyncio.run(fetch())
-            ck = open_checkpoint(d)
-            view = {n: ck.load(n) for n in ck.names()}
-            m = Manifest.model_validate_json((d / PULLED_MANIFEST).read_text())
-            pub.resume_from(prev, view, m.fingerprints)
+        if prev is not None:  # diff against the run's latest
+            pub.resume_from(prev, *base_of(pub, cache, prev))
         info = pub.publish(a.step if a.step is not None else 0, masters)
-        m = info.result()
+        del masters
+        pending = publish_state.begin(cache, a.run, pub.last_view)  # written while it diffs
+        try:
+            m = info.result()
+        except BaseException:
+            pending.abort()
+            raise
+        problem = pending.commit(m)
+    if problem:
+        print(f"stitch publish: {problem}; the next publish rebuilds its base from the board",
+              file=sys.stderr)
     if prev is not None:
         drop_pulled(cache, a.run, prev)
     out = {
@@ -73,9 +81,46 @@ def cmd_publish(a: argparse.Namespace) -> int:
     return 0
 
 
+def load_all(ck: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, in name order, each shard file opened once."""
+    out: dict[str, torch.Tensor] = {}
+    for shard, names in ck.shards.items():
+        tensors = ck.load_shard(shard)
+        out.update((n, tensors[n]) for n in names)
+    return {n: out[n] for n in sorted(out)}
+
+
+def base_of(pub: Publisher, cache: Path, prev: int) -> tuple[dict[str, torch.Tensor],
+                                                             dict[str, int]]:
+    """The view of the run's `latest` (`prev`) and its fingerprints, exactly as the board's
+    manifest of `prev` lists them: the local state when it holds exactly that, else `prev`
+    materialised from the board (`pull`, which proves every fingerprint). The manifest read here
+    is the only board read when the state is used: no object of any version is fetched."""
+    from stitch_core.format.checkpoint import open_checkpoint
+    from stitch_core.versions.materialize import pull, remove
+    from stitch_core.versions.store import read_manifest
+    from stitch_trainer import publish_state
+
+    run = pub.run
+    m = pub.call(read_manifest(pub.board, run, prev))
+    got = publish_state.load(cache, run, m)
+    if isinstance(got, publish_state.Loaded):
+        return got.view, got.fingerprints
+    print(f"stitch publish: rebuilding {run} v{prev} from the board (local state: {got})",
+          file=sys.stderr)
+    d = cache / run / f"pulled-{prev:06d}"
+    remove(d)  # what a killed publish left: never used unverified
+    pulled = pub.call(pull(pub.board, run, prev, d, cache, quiet=True))
+    if pulled.digest != m.digest:  # pull proved its fingerprints against this manifest
+        raise ValueError(f"{run} v{prev} changed on the board while it was read")
+    return load_all(open_checkpoint(d)), pulled.fingerprints
+
+
 def drop_pulled(cache: Path, run: str, upto: int) -> None:
     """Remove the `pulled-N` directories (N <= `upto`) `stitch publish` materialised to diff
     against: once a newer version is published, none of them is the base of a publish again."""
+    from stitch_core.versions.materialize import remove
+
     for d in (cache / run).glob("pulled-*"):
         n = d.name.removeprefix("pulled-")
         if n.isdigit() and int(n) <= upto:

@@ -125,6 +125,13 @@ class Publisher(PublisherBase):
         """The newest version of the run on the board as this publisher knows it (None: none)."""
         return self._published
 
+    @property
+    def last_view(self) -> dict[str, torch.Tensor] | None:
+        """The served view of the newest version `publish` queued (or `resume_from` gave): the
+        base of the next patch. Its tensors are never changed in place (`stitch publish` keeps
+        it as its local state)."""
+        return self._prev_view
+
     def resume_from(self, version: int, view: Mapping[str, torch.Tensor],
                     fingerprints: Mapping[str, int]) -> None:
         """Continue a run whose `latest` is `version` with this view: the next publish is a patch

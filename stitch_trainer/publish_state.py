@@ -1,0 +1,286 @@
+"""The local state of `stitch publish`: the served view it last published, so that the next
+publish diffs against it instead of materialising the run's `latest` from the board.
+
+Layout, under the cache directory (private to the user, like the cache itself)::
+
+    <cache>/<run>/published/             mode 0700
+        state.json                       {"format", "run", "version", "view", "digest", "file",
+                                          "size", "fingerprints"}: the commit point
+        view-<token>.safetensors         the view itself (mode 0600)
+
+A state is written in two steps: the view file under a temporary name, renamed to its final name
+(`begin`, in a background thread, while the version is being published), then, once the version
+is on the board, `state.json` (temporary file, fsync, rename: `commit`); only then are older view
+files removed. A crash at any point leaves either the previous `state.json` (naming its own,
+untouched view file) or none: never a `state.json` naming a half-written file.
+
+Nothing in the state is trusted as it is: `load` uses it only for the version the board's
+`latest` names, only if its fingerprints and digest are the board manifest's for that version,
+and only once every tensor read back from the view file has exactly those fingerprints (and the
+manifest's names, dtypes and shapes). So a stale, damaged, truncated or foreign state, or a view
+file the disk lost after a power loss (the view file is not fsynced: this check replaces it),
+makes the caller rebuild the base from the board; it never yields a base the board does not
+hold. The fingerprint pass is the one `stitch diff` makes over its base anyway (the publisher
+then skips it: the fingerprints are handed over with the view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+from stitch_core.versions.manifest import Manifest, check_run
+
+__all__ = ["STATE_DIR", "Loaded", "PendingState", "begin", "load", "state_dir"]
+
+STATE_DIR = "published"
+STATE_FILE = "state.json"
+FORMAT = "stitch-publish-state"
+MAX_STATE_BYTES = 64 << 20  # as a manifest: it lists every tensor's fingerprint
+
+
+class StateUnusable(Exception):  # noqa: N818 - a reason, never raised out of this module
+    """Why a local state cannot be the base of the next publish (one line)."""
+
+
+@dataclass
+class Loaded:
+    """A verified local state: the view of `version` and its fingerprints (the board's)."""
+
+    version: int
+    view: dict[str, torch.Tensor]
+    fingerprints: dict[str, int]
+
+
+def state_dir(cache: Path, run: str) -> Path:
+    """The state directory of `run` under the cache directory `cache`."""
+    return Path(cache) / check_run(run) / STATE_DIR
+
+
+def _private_dir(d: Path, create: bool) -> None:
+    """`d` exists (created 0700 when `create`), is ours, and is private (tightened if loosened);
+    StateUnusable otherwise."""
+    if create:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        st = d.stat()
+    except FileNotFoundError:
+        raise StateUnusable("no local state") from None
+    if st.st_uid != os.getuid():
+        raise StateUnusable(f"{d} belongs to another user")
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def load(cache: Path, run: str, board_manifest: Manifest) -> Loaded | str:
+    """The local state of `run` if it holds exactly `board_manifest`'s version (read from the
+    board: the run's `latest`), else the reason it cannot be used (one line)."""
+    d = state_dir(cache, run)
+    try:
+        _private_dir(d, create=False)
+        return _load(d, run, board_manifest)
+    except StateUnusable as e:
+        return str(e)
+
+
+def _read_doc(d: Path, run: str) -> dict:
+    p = d / STATE_FILE
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        raise StateUnusable("no local state") from None
+    except OSError as e:
+        raise StateUnusable(f"cannot read {p} ({e.strerror})") from None
+    try:
+        if len(raw) > MAX_STATE_BYTES:
+            raise ValueError("too large")
+        doc = json.loads(raw)
+        ok = (isinstance(doc, dict) and doc.get("format") == FORMAT
+              and isinstance(doc.get("version"), int) and isinstance(doc.get("file"), str)
+              and isinstance(doc.get("size"), int) and isinstance(doc.get("fingerprints"), dict)
+              and isinstance(doc.get("digest"), str) and isinstance(doc.get("view"), str))
+        if not ok:
+            raise ValueError("not a publish state")
+        if doc.get("run") != run:
+            raise ValueError(f"it names run {doc.get('run')!r}")
+        name = doc["file"]
+        if "/" in name or "\\" in name or not name.startswith("view-") or \
+                not name.endswith(".safetensors"):
+            raise ValueError(f"unsafe file name {name!r}")
+        doc["fingerprints"] = {str(k): fpr.parse(v) for k, v in doc["fingerprints"].items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise StateUnusable(f"unreadable {p} ({e})") from None
+    return doc
+
+
+def _load(d: Path, run: str, m: Manifest) -> Loaded:
+    doc = _read_doc(d, run)
+    if doc["version"] != m.version:
+        raise StateUnusable(f"it holds v{doc['version']}, the board's latest is v{m.version}")
+    if doc["view"] != m.view or doc["digest"] != m.digest or doc["fingerprints"] != m.fingerprints:
+        raise StateUnusable(f"its v{m.version} is not the board's (fingerprints differ from the "
+                            "board's manifest)")
+    path = d / doc["file"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise StateUnusable(f"its view file {path.name} is missing") from None
+    if size != doc["size"]:
+        raise StateUnusable(f"its view file is {size} bytes, not {doc['size']} (truncated?)")
+    try:
+        view = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+        raise StateUnusable(f"unreadable view file {path.name} ({e})") from None
+    want = {t.name: t for t in m.tensors}
+    if set(view) != set(want):
+        raise StateUnusable(f"its view file does not list v{m.version}'s tensors")
+    fps = m.fingerprints
+    for name, t in view.items():
+        w = want[name]
+        if dtypes.info(t.dtype).name != w.dtype or list(t.shape) != w.shape or \
+                fpr.fingerprint(name, t) != fps[name]:
+            raise StateUnusable(f"its view file is damaged ({name} does not match the board's "
+                                f"v{m.version})")
+    return Loaded(m.version, view, fps)
+
+
+# ---------------------------------------------------------------- writing
+
+
+class PendingState:
+    """A view being written to the state directory (`begin`); `commit` makes it the state once
+    its version is on the board, `abort` drops it. Neither ever raises: a state that cannot be
+    written only costs the next publish a rebuild (the failure is returned, for a warning)."""
+
+    def __init__(self, cache: Path, run: str, view: Mapping[str, torch.Tensor]):
+        self.dir = state_dir(cache, run)
+        self._view = dict(view)
+        self._token = secrets.token_hex(4)
+        self._file: Path | None = None  # the view file once written under its final name
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._write, daemon=True,
+                                        name="stitch-publish-state")
+        self._thread.start()
+
+    def _write(self) -> None:
+        tmp = None
+        try:
+            _private_dir(self.dir, create=True)
+            name = f"view-{self._token}.safetensors"
+            tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+            save_file({k: v.contiguous() for k, v in self._view.items()}, str(tmp))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.dir / name)  # a complete file, named by no state.json yet
+            self._file = self.dir / name
+        except Exception as e:  # noqa: BLE001 - reported by commit (a full disk, another owner)
+            self._error = f"cannot write the local state in {self.dir} ({e})"
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        finally:
+            self._view = {}
+
+    def commit(self, m: Manifest) -> str | None:
+        """Make the written view the state of `m`'s version (the version just published; its
+        fingerprints are the view's). None, or why the state could not be written."""
+        self._thread.join()
+        if self._error is not None or self._file is None:
+            return self._error or "the local state was not written"
+        doc = {"format": FORMAT, "run": m.run, "version": m.version, "view": m.view,
+               "digest": m.digest, "file": self._file.name, "size": self._file.stat().st_size,
+               "fingerprints": {t.name: t.fingerprint for t in m.tensors}}
+        tmp = self.dir / f".{STATE_FILE}.tmp-{os.getpid()}-{self._token}"
+        committed = False
+        try:
+            with _locked(self.dir):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.dir / STATE_FILE)  # the commit point
+                committed = True
+                _fsync_dir(self.dir)
+                _drop_others(self.dir, keep=self._file.name)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if not committed:
+                self.abort()
+                return f"cannot write the local state in {self.dir} ({e})"
+        return None
+
+    def abort(self) -> None:
+        """Drop the view written for a version that did not make it to the board."""
+        self._thread.join()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.unlink()
+            self._file = None
+
+
+def begin(cache: Path, run: str, view: Mapping[str, torch.Tensor]) -> PendingState:
+    """Start writing `view` as the next local state of `run` (in a background thread; the
+    tensors must not change until `commit` or `abort`)."""
+    return PendingState(cache, run, view)
+
+
+@contextlib.contextmanager
+def _locked(d: Path):
+    """An exclusive lock on the state directory while a state is committed and old view files
+    are removed (two publishes sharing a cache never remove each other's committed file)."""
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_others(d: Path, keep: str) -> None:
+    """Remove the view files `state.json` does not name (earlier states, an aborted write) and
+    the temporary files of writers that died; a write under way in a live process is left
+    alone."""
+    for p in d.glob("view-*.safetensors"):
+        if p.name != keep:
+            with contextlib.suppress(OSError):
+                p.unlink()
+    for p in d.glob(".*.tmp-*"):
+        pid = p.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

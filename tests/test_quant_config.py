@@ -139,3 +139,9 @@ async def test_pull_of_a_quantized_run_writes_its_quantization_config(tmp_path, 
     qc = parsed.quantization_config
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     assert qc["quant_method"] == cfg["quantization_config"]["quant_method"]
+    if spec == "fp8-e4m3-block":  # transformers' own reader of the fp8 config
+        from transformers.quantizers.auto import AutoQuantizationConfig
+
+        fp8 = AutoQuantizationConfig.from_dict(qc)
+        assert type(fp8).__name__ == "FineGrainedFP8Config"
+        assert list(fp8.weight_block_size) == [128, 128] and fp8.activation_scheme == "dynamic"

@@ -397,3 +397,9 @@ def test_nvfp4_fused_layers_share_one_global_scale():
     assert not same_bits(new[qkv[0]], gs[qkv[0]])
     for n in gate_up + [o]:
         assert same_bits(v2[n + "_global_scale"], gs[n])
+
+
+def test_e8m0_decodes_every_byte():
+    got = fp4.e8m0_value(torch.arange(256, dtype=torch.int32).to(torch.uint8)).tolist()
+    assert got[:255] == [2.0 ** (e - 127) for e in range(255)]  # exact, 2^-127 included
+    assert math.isnan(got[255])

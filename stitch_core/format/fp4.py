@@ -107,9 +107,12 @@ def _expand(scale: torch.Tensor, cols: int, group: int) -> torch.Tensor:
 
 
 def e8m0_value(e: torch.Tensor) -> torch.Tensor:
-    """float32 ``2^(e - 127)`` of uint8 E8M0 exponents (255 gives NaN)."""
-    v = torch.ldexp(torch.ones(e.shape, device=e.device), e.to(torch.int32) - E8M0_BIAS)
-    return torch.where(e == E8M0_NAN, torch.full_like(v, float("nan")), v)
+    """float32 ``2^(e - 127)`` of uint8 E8M0 exponents (255 gives NaN), built from bits: the
+    float32 with exponent field ``e`` (``e = 0``: the subnormal 2^-127, bits 0x00400000)."""
+    e32 = e.to(torch.int32)
+    bits = torch.where(e32 == 0, torch.full_like(e32, 0x00400000), e32 << 23)
+    bits = torch.where(e32 == E8M0_NAN, torch.full_like(e32, 0x7FC00000), bits)
+    return bits.view(torch.float32)
 
 
 def _ceil_log2(y: torch.Tensor) -> torch.Tensor:

@@ -321,6 +321,8 @@ def test_projection_is_idempotent_under_pinning(rows, half_cols, kind, log_mag, 
 def test_views_are_registered():
     assert parse_view("mxfp4").block == 32 and parse_view("nvfp4").block == 16
     assert parse_view("mxfp4").quantized and not parse_view("bf16").quantized
+    with pytest.raises(ValueError, match="mxfp4, nvfp4"):
+        parse_view("fp4")
 
 
 # --- patches of FP4 views ---------------------------------------------------------------------

@@ -405,3 +405,27 @@ def test_e8m0_decodes_every_byte():
     got = fp4.e8m0_value(torch.arange(256, dtype=torch.int32).to(torch.uint8)).tolist()
     assert got[:255] == [2.0 ** (e - 127) for e in range(255)]  # exact, 2^-127 included
     assert math.isnan(got[255])
+
+
+@pytest.mark.parametrize("kind,preset", [("nvfp4", "NVFP4A16"), ("mxfp4", "MXFP4A16")])
+def test_compressed_tensors_reads_the_view_as_we_do(kind, preset):
+    """Where compressed-tensors is installed (not a dependency): its unpacking and its
+    decompressor (the library that defines the layout) agree with ours."""
+    pytest.importorskip("compressed_tensors", minversion="0.13")
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    if kind == "nvfp4":
+        from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor as C
+    else:
+        from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor as C
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(9)) * 0.05
+    name = "l.q_proj.weight"
+    view = project({name: w}, kind)
+    packed = view[name + "_packed"]
+    ours = fp4.e2m1_decode(fp4.unpack_nibbles(packed))
+    assert same_bits(unpack_fp4_from_uint8(packed, 32, 128, dtype=torch.float32), ours)
+    sd = {k.removeprefix("l.q_proj."): t for k, t in view.items()}
+    theirs = C.decompress(sd, preset_name_to_scheme(preset, ["Linear"]))["weight"].float()
+    mine = dequantize(view, kind)[name]
+    assert torch.allclose(theirs, mine, rtol=2**-7, atol=0)  # theirs is computed in bf16

@@ -426,22 +426,37 @@ def gpu_check(args: list[str]) -> int:
     return subprocess.run([str(py), "-m", "stitch_dev.gpu_check", *args], cwd=ROOT).returncode
 
 
+# manylinux tags of x86_64 Linux a GPU machine may need (`gpu-bundle --python X.Y`)
+GPU_PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                 "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
+
 def gpu_bundle(args: list[str]) -> int:
-    """`gpu-bundle DIR`: a wheel of the checkout, wheels of its dependencies but torch (built
-    for this Python and platform by `pip wheel`), the check's two modules, and runners, into DIR.
+    """`gpu-bundle DIR [--python X.Y]...`: a wheel of the checkout, wheels of its dependencies
+    but torch (built for this Python and platform by `pip wheel`; with --python, binary wheels
+    for that CPython on x86_64 Linux too), the check's two modules, and runners, into DIR.
     Needs .venv (`setup`) and the package index; touches neither .venv nor dist/."""
-    if len(args) != 1 or args[0].startswith("-") or not PY.exists():
-        print("usage: python3 scripts/dev.py gpu-bundle DIR (after `setup`)", file=sys.stderr)
-        return 2
+    import argparse
     import tomllib
 
-    out = Path(args[0]).resolve()
+    ap = argparse.ArgumentParser(prog="dev.py gpu-bundle")
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--python", action="append", default=[], metavar="X.Y")
+    a = ap.parse_args(args)
+    if not PY.exists():
+        print(f"gpu-bundle needs {PY}: python3 scripts/dev.py setup", file=sys.stderr)
+        return 2
+    out, pythons = a.dir.resolve(), a.python
     out.mkdir(parents=True, exist_ok=True)
     run(PY, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out, ROOT)
     shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools' scratch
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     deps = [d for d in deps if re.split(r"[\s\[<>=!~;]", d, maxsplit=1)[0].lower() != "torch"]
     run(PY, "-m", "pip", "wheel", "-q", "-w", out, *deps)
+    for v in pythons:  # the pure wheels built above are found in DIR (some exist only as sdists)
+        plats = [a for p in GPU_PLATFORMS for a in ("--platform", p)]
+        run(PY, "-m", "pip", "download", "-q", "--only-binary=:all:", "--implementation", "cp",
+            "--python-version", v, *plats, "--find-links", out, "-d", out, *deps)
     (out / "stitch_dev").mkdir(exist_ok=True)
     (out / "stitch_dev" / "__init__.py").write_text('"""The GPU check and its toy engine."""\n')
     for f in GPU_CHECK_FILES:
@@ -452,8 +467,9 @@ def gpu_bundle(args: list[str]) -> int:
                                 'exec $py "$d/gpu_check.py" "$@"\n')
     (out / "run.sh").chmod(0o755)
     wheels = sorted(p.name for p in out.glob("*.whl"))
-    print(f"{out}: {len(wheels)} wheels (for Python {sys.version_info.major}."
-          f"{sys.version_info.minor}, {sys.platform}): {', '.join(wheels)}\n"
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    print(f"{out}: {len(wheels)} wheels (CPython {', '.join([here, *pythons])}, "
+          f"{sys.platform}): {', '.join(wheels)}\n"
           f"on the GPU machine (torch installed): sh {out}/run.sh [--json] [--out FILE]",
           flush=True)
     return 0

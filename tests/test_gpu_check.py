@@ -38,7 +38,8 @@ def test_every_section_runs_and_passes_on_the_cpu(tmp_path, capsys):
         assert any(n.startswith(expected) for n in names), expected
     ops = {r["op"]: r for r in report["timings"]}
     assert {"bare torch.nonzero(a != b)", "bare index_put_", "stitch diff (one tensor, base fp "
-            "known)", "stitch apply in place (format.apply)",
+            "known)", "stitch diff, coding stubbed (device part)",
+            "stitch apply in place (format.apply)",
             "RankReplica gather + write + read-back"} <= ops.keys()
     assert all(r["ms"] > 0 and r["ms_per_1M"] > 0 for r in report["timings"])
     assert ops["stitch diff (one tensor, base fp known)"]["x_bare"] > 0

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.versions.manifest import Manifest, check_run
@@ -51,8 +52,9 @@ FORMAT = "stitch-publish-state"
 MAX_STATE_BYTES = 64 << 20  # as a manifest: it lists every tensor's fingerprint
 
 
-class StateUnusable(Exception):  # noqa: N818 - a reason, never raised out of this module
-    """Why a local state cannot be the base of the next publish (one line)."""
+class StateUnusableError(StitchError, ValueError):
+    """Why a local state cannot be the base of the next publish (one line); `load` returns it as
+    a string, never raises it."""
 
 
 @dataclass
@@ -71,15 +73,15 @@ def state_dir(cache: Path, run: str) -> Path:
 
 def _private_dir(d: Path, create: bool) -> None:
     """`d` exists (created 0700 when `create`), is ours, and is private (tightened if loosened);
-    StateUnusable otherwise."""
+    StateUnusableError otherwise."""
     if create:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         st = d.stat()
     except FileNotFoundError:
-        raise StateUnusable("no local state") from None
+        raise StateUnusableError("no local state") from None
     if st.st_uid != os.getuid():
-        raise StateUnusable(f"{d} belongs to another user")
+        raise StateUnusableError(f"{d} belongs to another user")
     if st.st_mode & 0o077:
         os.chmod(d, 0o700)
 
@@ -94,7 +96,7 @@ def load(cache: Path, run: str, board_manifest: Manifest) -> Loaded | str:
     try:
         _private_dir(d, create=False)
         return _load(d, run, board_manifest)
-    except StateUnusable as e:
+    except StateUnusableError as e:
         return str(e)
 
 
@@ -104,9 +106,9 @@ def _read_doc(d: Path, run: str) -> dict:
         with open(p, "rb") as f:
             raw = f.read(MAX_STATE_BYTES + 1)
     except FileNotFoundError:
-        raise StateUnusable("no local state") from None
+        raise StateUnusableError("no local state") from None
     except OSError as e:
-        raise StateUnusable(f"cannot read {p} ({e.strerror})") from None
+        raise StateUnusableError(f"cannot read {p} ({e.strerror})") from None
     try:
         if len(raw) > MAX_STATE_BYTES:
             raise ValueError("too large")
@@ -125,38 +127,38 @@ def _read_doc(d: Path, run: str) -> dict:
             raise ValueError(f"unsafe file name {name!r}")
         doc["fingerprints"] = {str(k): fpr.parse(v) for k, v in doc["fingerprints"].items()}
     except (ValueError, TypeError, AttributeError) as e:
-        raise StateUnusable(f"unreadable {p} ({e})") from None
+        raise StateUnusableError(f"unreadable {p} ({e})") from None
     return doc
 
 
 def _load(d: Path, run: str, m: Manifest) -> Loaded:
     doc = _read_doc(d, run)
     if doc["version"] != m.version:
-        raise StateUnusable(f"it holds v{doc['version']}, the board's latest is v{m.version}")
+        raise StateUnusableError(f"it holds v{doc['version']}, the board's latest is v{m.version}")
     if doc["view"] != m.view or doc["digest"] != m.digest or doc["fingerprints"] != m.fingerprints:
-        raise StateUnusable(f"its v{m.version} is not the board's (fingerprints differ from the "
-                            "board's manifest)")
+        raise StateUnusableError(f"its v{m.version} is not the board's (fingerprints differ "
+                                 "from the board's manifest)")
     path = d / doc["file"]
     try:
         size = path.stat().st_size
     except OSError:
-        raise StateUnusable(f"its view file {path.name} is missing") from None
+        raise StateUnusableError(f"its view file {path.name} is missing") from None
     if size != doc["size"]:
-        raise StateUnusable(f"its view file is {size} bytes, not {doc['size']} (truncated?)")
+        raise StateUnusableError(f"its view file is {size} bytes, not {doc['size']} (truncated?)")
     try:
         view = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types
-        raise StateUnusable(f"unreadable view file {path.name} ({e})") from None
+        raise StateUnusableError(f"unreadable view file {path.name} ({e})") from None
     want = {t.name: t for t in m.tensors}
     if set(view) != set(want):
-        raise StateUnusable(f"its view file does not list v{m.version}'s tensors")
+        raise StateUnusableError(f"its view file does not list v{m.version}'s tensors")
     fps = m.fingerprints
     for name, t in view.items():
         w = want[name]
         if dtypes.info(t.dtype).name != w.dtype or list(t.shape) != w.shape or \
                 fpr.fingerprint(name, t) != fps[name]:
-            raise StateUnusable(f"its view file is damaged ({name} does not match the board's "
-                                f"v{m.version})")
+            raise StateUnusableError(f"its view file is damaged ({name} does not match the board's "
+                                     f"v{m.version})")
     return Loaded(m.version, view, fps)
 
 

@@ -17,7 +17,7 @@ over the device ranks through published versions; `verify` proves every copy). T
 check that cannot fail proves nothing). Needs the wheel's dependencies, no engine, no network;
 never part of `dev.py test`.
 
-Size: about 450 lines, one job: the check (its sections share the comparison, tampering and
+Size: about 460 lines, one job: the check (its sections share the comparison, tampering and
 report helpers, and the toy engine runs set up once).
 """
 
@@ -44,7 +44,7 @@ from stitch_core.format import codec, dtypes, entropy
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply, diff
 from stitch_core.format.stp import FOOTER, PatchReader
-from stitch_core.format.views import project
+from stitch_core.format.views import project, view_changed_scales
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.follower import Follower
 from stitch_core.versions.materialize import pull
@@ -81,17 +81,19 @@ class Checks:
         dev = self.tamper(section, dev.detach().clone())
         return self.record(section, check, same_bits(cpu, dev), f"{cpu.dtype} {list(cpu.shape)}")
 
-    def run(self, section: str, fn, *args):
-        """`fn(*args)`; an exception is a failed check of `section` (the rest still runs)."""
+    def run(self, section: str, fn, *args, **kw):
+        """`fn(*args, **kw)`; an exception is a failed check of `section` (the rest still runs).
+        Its seconds add up per section (a section run inside another counts in both)."""
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kw)
         except Exception as e:  # noqa: BLE001 - reported as a failed check
             traceback.print_exc()
             self.record(section, "ran to the end", False, f"{type(e).__name__}: {e}")
             return None
         finally:
-            self.seconds[section] = round(time.perf_counter() - t0, 2)
+            dt = time.perf_counter() - t0
+            self.seconds[section] = round(self.seconds.get(section, 0.0) + dt, 2)
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {s: {"checks": sum(r["section"] == s for r in self.rows),
@@ -148,37 +150,52 @@ def check_format(c: Checks, dev: torch.device, side: int) -> None:
             c.record("projection", f"{view} {tag}: same tensors", cv.keys() == gv.keys())
             for k in sorted(cv.keys() & gv.keys()):
                 c.same("projection", f"{view} {tag} {k}", cv[k], gv[k])
-            for k in sorted(gv):
-                t = gv[k]
-                want = fpr.fingerprint(k, cv[k])
-                got = fpr.fingerprint(k, c.tamper("fingerprint", t.clone()))
-                c.record("fingerprint", f"{view} {tag} {k}", got == want,
-                         f"{fpr.fmt(got)} vs cpu {fpr.fmt(want)}")
-                torch_path = fpr.fingerprint_torch(dtypes.int_view(t), t.element_size(),
-                                                   fpr.seed_of(k))
-                c.record("fingerprint", f"{view} {tag} {k} (torch path)", torch_path == want)
-        for k in sorted(gv2):  # incremental update over the changed positions
-            a, b = dtypes.int_view(gv1[k]), dtypes.int_view(gv2[k])
-            if a.shape != b.shape:
-                continue
-            pos = torch.nonzero(a != b).reshape(-1)
-            sz = gv2[k].element_size()
-            got = fpr.update(fpr.fingerprint(k, gv1[k]), k, pos, a[pos].long(), b[pos].long(), sz)
-            c.record("fingerprint", f"{view} update {k} ({pos.numel()} changed)",
-                     got == fpr.fingerprint(k, cv2[k]))
-        cp, gp = diff(cv1, cv2, view=view), diff(gv1, gv2, view=view)
-        c.record("diff", f"{view}: same payload and header", same_patch(cp.data, c.tamper(
-            "diff", torch.frombuffer(bytearray(gp.data), dtype=torch.uint8)).numpy().tobytes()),
-            f"{len(cp.data)} bytes")
-        for src, p in (("cpu", cp), ("device", gp)):  # in place into device tensors, proven
-            base = {k: v.clone() for k, v in gv1.items()}
-            out = apply(base, p, inplace=True)
-            c.record("apply", f"{view}: {src} patch in place on {dev.type}",
-                     out is base and all(v.device.type == dev.type for v in out.values()))
-            for k in sorted(cv2):
-                if src == "cpu":
-                    c.tamper("apply", out[k])
-                c.record("apply", f"{view}: {src} patch {k}", same_bits(cv2[k], out[k]))
+        if view.startswith("fp8"):  # pinning kept every scale but the clipping block's
+            moved = view_changed_scales(gv1, gv2)
+            c.record("projection", f"{view}: pinned scales, one block rescaled",
+                     moved == view_changed_scales(cv1, cv2) and sum(moved.values()) == 1,
+                     str(moved))
+        c.run("fingerprint", check_fingerprints, c, view, (cv1, gv1), (cv2, gv2))
+        c.run("diff", check_diff_apply, c, dev, view, (cv1, gv1), (cv2, gv2))
+
+
+def check_fingerprints(c: Checks, view: str, *pairs) -> None:
+    for tag, (cv, gv) in zip(("fresh", "pinned"), pairs, strict=True):
+        for k in sorted(gv):
+            t, want = gv[k], fpr.fingerprint(k, cv[k])
+            got = fpr.fingerprint(k, c.tamper("fingerprint", t.clone()))
+            c.record("fingerprint", f"{view} {tag} {k}", got == want,
+                     f"{fpr.fmt(got)} vs cpu {fpr.fmt(want)}")
+            torch_path = fpr.fingerprint_torch(dtypes.int_view(t), t.element_size(),
+                                               fpr.seed_of(k))
+            c.record("fingerprint", f"{view} {tag} {k} (torch path)", torch_path == want)
+    (_, gv1), (cv2, gv2) = pairs
+    for k in sorted(gv2):  # incremental update over the changed positions
+        a, b = dtypes.int_view(gv1[k]), dtypes.int_view(gv2[k])
+        if a.shape != b.shape:
+            continue
+        pos = torch.nonzero(a != b).reshape(-1)
+        sz = gv2[k].element_size()
+        got = fpr.update(fpr.fingerprint(k, gv1[k]), k, pos, a[pos].long(), b[pos].long(), sz)
+        c.record("fingerprint", f"{view} update {k} ({pos.numel()} changed)",
+                 got == fpr.fingerprint(k, cv2[k]))
+
+
+def check_diff_apply(c: Checks, dev: torch.device, view: str, first, second) -> None:
+    (cv1, gv1), (cv2, gv2) = first, second
+    cp, gp = diff(cv1, cv2, view=view), diff(gv1, gv2, view=view)
+    c.record("diff", f"{view}: same payload and header", same_patch(cp.data, c.tamper(
+        "diff", torch.frombuffer(bytearray(gp.data), dtype=torch.uint8)).numpy().tobytes()),
+        f"{len(cp.data)} bytes")
+    for src, p in (("cpu", cp), ("device", gp)):  # in place into device tensors, proven
+        base = {k: v.clone() for k, v in gv1.items()}
+        out = c.run("apply", apply, base, p, inplace=True) or {}
+        c.record("apply", f"{view}: {src} patch in place on {dev.type}",
+                 out is base and all(v.device.type == dev.type for v in out.values()))
+        for k in sorted(cv2):
+            if src == "cpu" and k in out:
+                c.tamper("apply", out[k])
+            c.record("apply", f"{view}: {src} patch {k}", k in out and same_bits(cv2[k], out[k]))
 
 
 def same_patch(a: bytes, b: bytes) -> bool:
@@ -423,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         views = c.run("publish", publish_toy_run, Path(tmp) / "board", RUN, VERSIONS)
         c.run("replica", check_replica, c, dev, views)
         c.run("follower", lambda: asyncio.run(check_follower(c, dev, Path(tmp), views)))
-    rows = c.run("apply", timings, c, dev, args.numel, args.changed, args.repeat) or []
+    rows = c.run("timings", timings, c, dev, args.numel, args.changed, args.repeat) or []
     report = {"ok": c.ok, "device": str(dev), "device_name": (
         torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"),
         "torch": torch.__version__, "numel": args.numel, "changed": args.changed,

@@ -8,6 +8,9 @@ either engine, each difference between vLLM and SGLang stated here as data or on
 * ``VLLM`` / ``SGLANG`` (``ADAPTERS``, ``adapter``): what a scenario needs to know of an engine.
 
 Needs httpx (every engine venv has it); imports neither engine (each runs in its own venv).
+
+Size: over 400 lines because both engines' servers and adapters live here on purpose: each
+difference between the engines is read in one place, beside the other engine's answer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +60,45 @@ class EngineServer(ServerProcess):
 
     COMPLETE_EXTRA: dict = {}
 
+    # /metrics names: a count of requests that produced a first output, a count of finished ones
+    FIRST_OUTPUTS: str
+    FINISHED: str
+
+    def metric(self, name: str) -> float:
+        """Sum of the samples of metric `name` in /metrics (0 if absent)."""
+        total = 0.0
+        for ln in self.http.get("/metrics").text.splitlines():
+            if ln.startswith(name) and ln[len(name):len(name) + 1] in (" ", "{"):
+                total += float(ln.split()[-1])
+        return total
+
+    def across_an_apply(self, send: Callable[[], httpx.Response], publish: Callable[[], int],
+                        attempts: int = 3, timeout: float = 120) -> tuple[httpx.Response, int]:
+        """`send()` (one request, on a thread) with the next version (`publish()`) applied while
+        the engine generates it: once the engine counts the request's first output, its steps
+        are held, and under the hold the request is seen unfinished before the version is
+        published. A request that finished before the hold (the race of one /metrics read and
+        one pause call against hundreds of steps) is sent again, at most `attempts` times.
+        Returns the answer and the version applied."""
+        for _ in range(attempts):
+            first, done = self.metric(self.FIRST_OUTPUTS), self.metric(self.FINISHED)
+            out: dict = {}
+            t = threading.Thread(target=lambda o=out: o.update(r=send()), daemon=True)
+            t.start()
+            deadline = time.monotonic() + timeout
+            while self.metric(self.FIRST_OUTPUTS) <= first:
+                assert t.is_alive() and time.monotonic() < deadline, "the request never started"
+                time.sleep(0.01)
+            with self.hold_steps():
+                running = self.metric(self.FINISHED) == done
+                v = publish() if running else None
+                if v is not None:
+                    self.wait_version(v, timeout=timeout)
+            t.join(300)
+            if v is not None:
+                return out["r"], v
+        raise AssertionError(f"the request finished before the hold {attempts} times")
+
     @contextmanager
     def hold_steps(self) -> Iterator[None]:
         """Hold the engine's steps (its own pause route): running requests stay, with their KV,
@@ -77,6 +121,8 @@ class VllmServer(EngineServer):
     name = "vLLM server"
     # vLLM's RL routes (served with VLLM_SERVER_DEV_MODE=1, `dev_mode`)
     HOLD = ("/pause", {"params": {"mode": "keep"}}, "/resume", {})
+    FIRST_OUTPUTS = "vllm:time_to_first_token_seconds_count"
+    FINISHED = "vllm:e2e_request_latency_seconds_count"
     COMPLETE_EXTRA = {"logprobs": TOP, "return_tokens_as_token_ids": True}
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
@@ -129,6 +175,9 @@ class SglangServer(EngineServer):
     signal_group = False  # SGLang's launcher stops its schedulers itself (stitch_dev.procs.stop)
     HOLD = ("/pause_generation", {"json": {"mode": "in_place"}}, "/continue_generation",
             {"torch_empty_cache": False})
+    # with --enable-metrics; a non-streamed request's first output comes with its 50th token
+    FIRST_OUTPUTS = "sglang:time_to_first_token_seconds_count"
+    FINISHED = "sglang:e2e_request_latency_seconds_count"
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, plain: bool = False,
                  python: str = sys.executable, extra: list[str] | tuple[str, ...] = (),

@@ -57,17 +57,6 @@ class _Events:
         return self.events
 
 
-def _wait_running(server, timeout: float = 60) -> None:
-    """Until SGLang reports a running request (`--enable-metrics`)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for ln in server.http.get("/metrics").text.splitlines():
-            if ln.startswith("sglang:num_running_reqs") and float(ln.split()[-1]) >= 1:
-                return
-        time.sleep(0.02)
-    raise AssertionError("no request started running")
-
-
 def _theirs(weight_versions: list[dict]) -> list[list[int]]:
     return [[int(w["version"]), w["start"], w["end"] - 1] for w in weight_versions
             if w["end"] > w["start"]]
@@ -98,25 +87,9 @@ def test_openai_completion_has_spans_and_the_header(follower):
     SGLang's own metadata agree."""
     server, trainer = follower["server"], follower["trainer"]
     v0 = server.status()["version"]
-    out: dict = {}
-
-    def call() -> None:
-        out["r"] = server.http.post("/v1/completions", json={
-            "model": server.model, "prompt": "Once upon a time", "max_tokens": LONG,
-            "temperature": 0, "ignore_eos": True}, timeout=300)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    _wait_running(server)
-    # a companion stream, scheduled after the completion: at its first event both are running
-    companion = _Events(server, "/generate", {
-        "text": "A companion", "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}})
-    companion.wait_events(1)
-    v1 = _apply_mid_generation(server, trainer)
-    t.join(300)
-    companion.done()
-    r = out["r"]
+    r, v1 = server.across_an_apply(lambda: server.http.post("/v1/completions", json={
+        "model": server.model, "prompt": "Once upon a time", "max_tokens": LONG,
+        "temperature": 0, "ignore_eos": True}, timeout=300), trainer.publish)
     assert r.status_code == 200, r.text
     info = protocol.parse_stitch(r.json())
     assert info is not None and info.version_spans is not None, r.json()

@@ -17,7 +17,7 @@ over the device ranks through published versions; `verify` proves every copy). T
 check that cannot fail proves nothing). Needs the wheel's dependencies, no engine, no network;
 never part of `dev.py test`.
 
-Size: about 460 lines, one job: the check (its sections share the comparison, tampering and
+Size: about 470 lines, one job: the check (its sections share the comparison, tampering and
 report helpers, and the toy engine runs set up once).
 """
 

@@ -11,16 +11,20 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from stitch_core.cli import gateway, keys, squash
 from stitch_core.cli.versions import add_parsers
 from stitch_core.distribution import PRODUCER
 from stitch_core.errors import StitchError
-from stitch_core.format.checkpoint import open_checkpoint
+from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import Checkpoint, open_checkpoint
 from stitch_core.format.patch import PatchBuilder, check_compatible
 from stitch_core.format.stp import PatchReader
 from stitch_core.versions.materialize import apply_patches, remove, replace, tmp_sibling
@@ -39,15 +43,41 @@ def _bar(total: int, desc: str, unit: str = "tensor") -> tqdm:
 # ---------------------------------------------------------------- diff
 
 
+class _Tensors:
+    """A checkpoint's tensors by name, each shard file opened once (not once per tensor)."""
+
+    def __init__(self, ck: Checkpoint):
+        self.ck = ck
+        self._files: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor | None:
+        shard = self.ck.where.get(name)
+        if shard is None:
+            return None
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = safe_open(self.ck.file(shard), framework="pt")
+        return f.get_tensor(name)
+
+
 def cmd_diff(a: argparse.Namespace) -> int:
-    """`stitch diff`: write the patch that turns BASE into NEW; returns the exit status."""
+    """`stitch diff`: write the patch that turns BASE into NEW; returns the exit status.
+
+    The base's fingerprint of each tensor is computed on a second thread (numba releases the
+    GIL) while the previous tensor is compared and encoded: one tensor of look-ahead."""
     base, new = open_checkpoint(a.base), open_checkpoint(a.new)
+    bases, news = _Tensors(base), _Tensors(new)
     out = Path(a.output)
     tmp = tmp_sibling(out)
     names = sorted(set(base.where) | set(new.where))
     t0 = time.perf_counter()
+
+    def fingerprinted(name: str) -> tuple[torch.Tensor | None, Future | None]:
+        bt = bases.get(name)
+        return bt, None if bt is None else pool.submit(fpr.fingerprint, name, bt)
+
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(1, "stitch-diff-fp") as pool:
             b = PatchBuilder(
                 f,
                 run=a.run or new.run or base.run,
@@ -56,10 +86,13 @@ def cmd_diff(a: argparse.Namespace) -> int:
                 view=a.view,
             )
             with _bar(len(names), "diff") as bar:
-                for name in names:
-                    bt = base.load(name) if name in base.where else None
-                    nt = new.load(name) if name in new.where else None
-                    b.add(name, bt, nt)
+                ahead = fingerprinted(names[0]) if names else (None, None)
+                for i, name in enumerate(names):
+                    bt, fp = ahead
+                    base_fp = None if fp is None else fp.result()
+                    if i + 1 < len(names):
+                        ahead = fingerprinted(names[i + 1])
+                    b.add(name, bt, news.get(name), base_fp)
                     bar.update(1)
             header = b.finish()
             f.flush()

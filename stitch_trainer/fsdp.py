@@ -176,10 +176,11 @@ class FSDPPublisher(PublisherBase):
         signing_key: str | Path | None = None,
     ):
         v = parse_view(view)
-        if v.kind == "fp8-e4m3":
+        if v.quantized:  # fp8 and fp4: scales (and fp4 global scales) span a rank's shards
             raise NotImplementedError(
-                f"view {v.name!r} for {type(self).__name__}: fp8 scales of a rank's shard are not "
-                "supported yet; use 'bf16' or 'fp16' (or the single-process Publisher)"
+                f"view {v.name!r} for {type(self).__name__}: the scales of a quantized view are "
+                "computed over whole tensors, not a rank's shard; use 'bf16' or 'fp16' (or the "
+                "single-process Publisher)"
             )
         if not dist.is_initialized():
             raise PublishError(

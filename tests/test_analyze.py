@@ -192,3 +192,15 @@ def test_usage_errors(capsys):
     assert "--board needs --run" in capsys.readouterr().err
     assert main(["analyze", "/nonexistent", "--steps", "0"]) == 1
     assert "at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("view", ["mxfp4", "nvfp4"])
+def test_fp4_views(tiny, capsys, view):
+    """The FP4 views analyze like the others: each step's changed fraction over the whole view,
+    and the estimate (in E2M1 code units, per packed byte) near it."""
+    rep = _run(capsys, str(tiny / "model.safetensors"), "--view", view, "--steps", "2",
+               "--lr", "1e-5")
+    numel = sum(t.numel() for t in project(_state(tiny), view).values())
+    for r in rep["steps"]:
+        assert r["total_elements"] == numel and 0 < r["changed_fraction"] <= 1
+        assert 0.5 < r["expected_fraction"] / r["changed_fraction"] < 2, r

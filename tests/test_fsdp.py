@@ -391,11 +391,13 @@ def test_publish_exchanges_metadata_only(trained):
             assert not [k for k in p["ops"] if "functional" in k or "scatter" in k], p["ops"]
 
 
-def test_fp8_view_is_refused():
+@pytest.mark.parametrize("view", ["fp8-e4m3", "fp8-e4m3-tensor", "mxfp4", "nvfp4"])
+def test_quantized_views_are_refused(view):
+    """Scales are computed over whole tensors: a rank's shard cannot project them."""
     from stitch_trainer.fsdp import FSDPPublisher
 
-    with pytest.raises(NotImplementedError, match="fp8"):
-        FSDPPublisher("/nonexistent", RUN, "fp8-e4m3")
+    with pytest.raises(NotImplementedError, match="scales of a quantized view"):
+        FSDPPublisher("/nonexistent", RUN, view)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="match_rms_adamw",
         help="Muon lr scaling (torch.optim.Muon)",
     )
-    p.add_argument("--view", default="bf16", help="bf16 | fp16 | fp8-e4m3-{tensor,channel,block}")
+    p.add_argument("--view", default="bf16",
+                   help="bf16 | fp16 | fp8-e4m3-{tensor,channel,block} | mxfp4 | nvfp4")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--corpus", help="text file (default: a few built-in paragraphs)")
     p.add_argument("--seq-len", type=int, default=64)

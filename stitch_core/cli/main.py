@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from stitch_core.cli import gateway, keys, squash
 from stitch_core.cli.versions import add_parsers
 from stitch_core.distribution import PRODUCER
 from stitch_core.errors import StitchError
-from stitch_core.format import fingerprint as fpr
 from stitch_core.format.checkpoint import Checkpoint, open_checkpoint
 from stitch_core.format.patch import PatchBuilder, check_compatible
 from stitch_core.format.stp import PatchReader
@@ -61,23 +59,15 @@ class _Tensors:
 
 
 def cmd_diff(a: argparse.Namespace) -> int:
-    """`stitch diff`: write the patch that turns BASE into NEW; returns the exit status.
-
-    The base's fingerprint of each tensor is computed on a second thread (numba releases the
-    GIL) while the previous tensor is compared and encoded: one tensor of look-ahead."""
+    """`stitch diff`: write the patch that turns BASE into NEW; returns the exit status."""
     base, new = open_checkpoint(a.base), open_checkpoint(a.new)
     bases, news = _Tensors(base), _Tensors(new)
     out = Path(a.output)
     tmp = tmp_sibling(out)
     names = sorted(set(base.where) | set(new.where))
     t0 = time.perf_counter()
-
-    def fingerprinted(name: str) -> tuple[torch.Tensor | None, Future | None]:
-        bt = bases.get(name)
-        return bt, None if bt is None else pool.submit(fpr.fingerprint, name, bt)
-
     try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(1, "stitch-diff-fp") as pool:
+        with open(tmp, "wb") as f:
             b = PatchBuilder(
                 f,
                 run=a.run or new.run or base.run,
@@ -86,13 +76,8 @@ def cmd_diff(a: argparse.Namespace) -> int:
                 view=a.view,
             )
             with _bar(len(names), "diff") as bar:
-                ahead = fingerprinted(names[0]) if names else (None, None)
-                for i, name in enumerate(names):
-                    bt, fp = ahead
-                    base_fp = None if fp is None else fp.result()
-                    if i + 1 < len(names):
-                        ahead = fingerprinted(names[i + 1])
-                    b.add(name, bt, news.get(name), base_fp)
+                for name in names:
+                    b.add(name, bases.get(name), news.get(name))
                     bar.update(1)
             header = b.finish()
             f.flush()

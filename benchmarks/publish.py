@@ -53,6 +53,40 @@ for k in a:
     n += len(torch.nonzero(a[k].view(torch.int16) != b[k].view(torch.int16)))
 print(n)
 """
+# where a `stitch diff` process spends its time (what is left above the bare compare)
+PHASES = """
+import io, json, sys, time
+t = [time.perf_counter()]
+import torch, safetensors.torch
+t.append(time.perf_counter())
+import stitch_core.cli.main
+m = sys.modules["stitch_core.cli.main"]
+m.build_parser()  # every verb's module, plugins included, as `stitch diff` loads them
+t.append(time.perf_counter())
+from stitch_core.format.patch import PatchBuilder
+g = torch.Generator().manual_seed(0)
+x = torch.randn(4096, generator=g).bfloat16()
+y = x.clone(); y[::7] = torch.randn(586, generator=g).bfloat16()
+PatchBuilder(io.BytesIO()).add("warm", x, y)  # numba: each compiled function's first call
+t.append(time.perf_counter())
+from stitch_core.format.checkpoint import open_checkpoint
+a, b = open_checkpoint(sys.argv[1]), open_checkpoint(sys.argv[2])
+ta, tb = m._Tensors(a), m._Tensors(b)
+A = {n: ta.get(n) for n in a.names()}; B = {n: tb.get(n) for n in b.names()}
+t.append(time.perf_counter())
+for n in A:
+    len(torch.nonzero(A[n].view(torch.int16) != B[n].view(torch.int16)))
+t.append(time.perf_counter())
+pb = PatchBuilder(io.BytesIO())
+for n in A:
+    pb.add(n, A[n], B[n])
+pb.finish()
+t.append(time.perf_counter())
+keys = ["import torch+safetensors", "import the stitch CLI (every verb)",
+        "numba: first calls (cached code loaded)", "load both checkpoints",
+        "compare+nonzero (the bare loop)", "PatchBuilder: fingerprint+compare+encode"]
+print(json.dumps(dict(zip(keys, [t[i + 1] - t[i] for i in range(len(keys))]))))
+"""
 
 
 def shapes(layers: int, hidden: int = 576, mlp: int = 1536, heads: int = 9, kv: int = 3,
@@ -115,9 +149,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--md", type=Path, help="write the results table here")
     ap.add_argument("--tmp", type=Path, help="work directory (default: a temporary one)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of every command (OMP_NUM_THREADS; 0: torch's default)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stitch-bench-publish-", dir=a.tmp))
     env = dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(work / "xdg"))
+    if a.threads:
+        env["OMP_NUM_THREADS"] = str(a.threads)
     py = sys.executable
     stitch = [py, "-m", "stitch_core.cli"]
     try:
@@ -127,9 +165,13 @@ def main() -> None:
         print(f"checkpoints: {size / 1e6:.0f} MB each ({time.perf_counter() - t0:.1f} s)",
               file=sys.stderr)
         board, cache = work / "board", work / "cache"
-        pub = [*stitch, "publish", str(board), "--run", RUN, "--cache-dir", str(cache), "--json"]
+
+        def pub(src: Path) -> list[str]:
+            return [*stitch, "publish", str(board), str(src), "--run", RUN, "--cache-dir",
+                    str(cache), "--json"]
+
         for src in (C, A):  # v0 a snapshot, v1 a patch; the state holds v1 (A)
-            timed([*pub[:3], str(board), str(src), *pub[4:]], env)
+            timed(pub(src), env)
         state = cache / RUN / "published"
         if not state.is_dir():
             raise SystemExit(f"no local state at {state}")
@@ -151,7 +193,7 @@ def main() -> None:
             restore(saved_cache, cache)
             if not keep_state:
                 shutil.rmtree(state)
-            r = timed([*pub[:3], str(board), str(B), *pub[4:]], env)
+            r = timed(pub(B), env)
             out = json.loads(r[1])
             if out["version"] != 2 or out["kind"] != "patch":
                 raise SystemExit(f"unexpected publish: {out}")
@@ -160,11 +202,15 @@ def main() -> None:
                 raise SystemExit(f"publish (state kept: {keep_state}) said: {r[2]!r}")
             return r
 
+        def phases() -> tuple[float, str, str]:
+            return timed([py, "-c", PHASES, str(A), str(B)], env)
+
         cases = {"bare load+compare": bare, "stitch diff": diff,
                  "stitch publish, local state": lambda: publish(True),
                  "stitch publish, no state (rebuilt from the board)": lambda: publish(False)}
         times: dict[str, list[float]] = {k: [] for k in cases}
         outs: dict[str, str] = {}
+        split: list[dict[str, float]] = []
         bare()  # warm the page cache and numba's cache once, untimed
         diff()
         for _ in range(a.reps):  # interleaved, so drift hits every case alike
@@ -172,7 +218,9 @@ def main() -> None:
                 dt, out, _ = fn()
                 times[k].append(dt)
                 outs[k] = out
+            split.append(json.loads(phases()[1]))
         med = {k: statistics.median(v) for k, v in times.items()}
+        phase = {k: statistics.median(s[k] for s in split) for k in split[0]}
         changed = json.loads(outs["stitch diff"])["changed_elements"]
         total = json.loads(outs["stitch diff"])["total_elements"]
         pb = json.loads(outs["stitch publish, local state"])["patch_bytes"]
@@ -182,7 +230,8 @@ def main() -> None:
             "",
             f"`benchmarks/publish.py --layers {a.layers} --reps {a.reps}` on "
             f"{platform.node() or 'this host'} ({os.cpu_count()} CPUs, torch "
-            f"{torch.__version__}); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+            f"{torch.__version__}, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')} for "
+            f"every command); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
             "",
             f"Model: SmolLM-135M shape, {total / 1e6:.1f}M params, {size / 1e6:.0f} MB bf16 "
             f"(one file in an HF directory); {changed:,} elements changed "
@@ -201,6 +250,14 @@ def main() -> None:
             f"Targets: `stitch diff` <= 1.5x bare (measured {diff_s / bare_s:.2f}x); "
             f"publish with local state <= 1.3x `stitch diff` (measured "
             f"{med['stitch publish, local state'] / diff_s:.2f}x).",
+            "",
+            "Where a `stitch diff`-like process spends its time (one more process per round, "
+            "timers inside it, median of the rounds; the first calls of numba's functions load "
+            "their cached machine code):",
+            "",
+            "| phase | median s |",
+            "|---|---:|",
+            *[f"| {k} | {v:.2f} |" for k, v in phase.items()],
         ]
         text = "\n".join(lines) + "\n"
         print(text)

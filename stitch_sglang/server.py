@@ -6,8 +6,11 @@ EngineFollower`) in the HTTP process, where SGLang's TokenizerManager lives:
 
 * RPC: a `StitchCallReqInput` through the TokenizerManager's scheduler channel, answered by every
   TP rank (`stitch_sglang.worker`) and matched to its call by id (`Calls`);
-* engine steps are held with `pause_generation(mode="in_place")` (requests and their KV stay) and
-  released with `continue_generation`;
+* engine steps are held with `pause_generation`: `mode="retract"` under
+  STITCH_KV_AFTER_APPLY=recompute (the default: running requests go back to the queue and, once
+  the radix cache is flushed after the apply, are prefilled again, prompt and tokens so far, on
+  the new weights, SGLang's own preemption path), `mode="in_place"` under `keep` (requests keep
+  their KV); released with `continue_generation`;
 * after each apply (steps still held) SGLang's own `weight_version` is set to the Stitch version,
   so `meta_info.weight_version(s)` of native `/generate` and the `metadata` of OpenAI answers
   agree with the "stitch" field, and a flush of the radix cache is queued for when the engine is
@@ -165,10 +168,7 @@ class SglangFollower(EngineFollower):
         super().__init__(settings, model_dir or tokenizer_manager.server_args.model_path)
         self.tm = tokenizer_manager
         record_spans(tokenizer_manager)
-        if settings.kv_after_apply == "recompute":
-            log.warning("stitch: SGLang keeps the KV cache of requests running across an apply "
-                        "(STITCH_KV_AFTER_APPLY=recompute is implemented for vLLM only); their "
-                        "version spans are exact, the tokens after an apply read old KV")
+        self.recompute = settings.kv_after_apply == "recompute"
         self.ready = False  # the engine held a proven version once (SGLang's warm-up may run)
         self._comm: Any = None
         self._background: set[asyncio.Task] = set()
@@ -208,9 +208,12 @@ class SglangFollower(EngineFollower):
     async def pause(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
-        # in_place: the scheduler stops running batches, requests keep their KV (vLLM's "keep");
-        # sent on the same ordered channel as the RPC that follows, so it lands first
-        await self.tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+        # retract: running requests go back to the queue, their KV released to the radix cache
+        # (flushed in after_apply, so they are prefilled again on the new weights); in_place: the
+        # scheduler stops running batches, requests keep their KV (vLLM's "keep"). Sent on the
+        # same ordered channel as the RPC that follows, so it lands first
+        mode = "retract" if self.recompute else "in_place"
+        await self.tm.pause_generation(PauseGenerationReqInput(mode=mode))
 
     async def resume(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
@@ -219,6 +222,14 @@ class SglangFollower(EngineFollower):
 
     async def after_apply(self, version: int) -> None:
         await self._set_weight_version(version)
+        if self.recompute:  # steps held, requests retracted: the flush is immediate
+            out = await self.tm.flush_cache()
+            if out.success:
+                log.info("stitch: radix cache flushed after v%s; running requests are "
+                         "prefilled again on it", version)
+                return
+            log.warning("stitch: radix cache not flushed after v%s (%s): requests running "
+                        "across the apply keep their prefix KV", version, out.message)
         # refused while requests run, so queue it until the engine is idle (bounded)
         task = asyncio.create_task(self._flush(version))
         self._background.add(task)

@@ -1,17 +1,26 @@
 """Per-token version spans on the SGLang session follower (conftest `follower`): SGLang's own
 `meta_info.weight_versions` (the plugin labels SGLang's weight version with the Stitch version at
 every apply, steps held) carried into the `stitch` field, across an apply that lands
-mid-generation by construction (the test holds SGLang's steps while it publishes)."""
+mid-generation by construction (the test holds SGLang's steps while it publishes); and, with the
+KV recomputed after the apply (STITCH_KV_AFTER_APPLY=recompute, the default: SGLang's retract
+pause, then a radix-cache flush), each span's tokens and logprobs regenerated bit for bit by
+fresh plain SGLang engines at that span's version.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+import uuid
 
 import httpx
 
 from stitch_core.serve import protocol
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_dev.engines import SglangServer
 
 LONG = 300
 
@@ -97,3 +106,61 @@ def test_openai_completion_has_spans_and_the_header(follower):
     assert protocol.parse_version_spans(r.headers[protocol.VERSION_SPANS_HEADER]) == [
         info.version_spans]
     assert info.version_spans[-1][2] == r.json()["usage"]["completion_tokens"] - 1
+
+
+PROMPT = [11, 42, 7, 99, 23, 5]  # token ids
+N = 160
+
+
+def _generate_ids(server, prompt: list[int], n: int) -> dict:
+    """Greedy /generate from token ids, with logprobs; a fresh cache_salt, so no radix reuse."""
+    r = server.http.post("/generate", timeout=300, json={
+        "input_ids": prompt, "return_logprob": True, "cache_salt": uuid.uuid4().hex,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokens(body: dict) -> list[tuple[int, float]]:
+    return [(int(t), float(lp)) for lp, t, *_ in body["meta_info"]["output_token_logprobs"]]
+
+
+def test_spans_regenerate_bit_exact_from_fresh_engines(follower, tmp_path):
+    """An apply lands mid-generation: the answer's spans name v0 then v1; the tokens (and their
+    logprobs) of each span are what a fresh plain SGLang engine at that span's version generates
+    from the same prefix, bit for bit, and the first token of the v1 span has another logprob
+    under v0 (so the boundary is where the new weights took effect, KV included)."""
+    server, trainer, root, run = (follower[k] for k in ("server", "trainer", "root", "run"))
+    v0 = server.status()["version"]
+    r, v1 = server.across_an_apply(lambda: server.http.post("/generate", timeout=300, json={
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}}),
+        trainer.publish)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    got = _tokens(body)
+    info = protocol.parse_stitch(body)
+    assert info is not None and info.version_spans is not None, body
+    spans = info.version_spans
+    assert [v for v, _, _ in spans] == [v0, v1] and spans[-1][2] == N - 1 == len(got) - 1, spans
+    a = spans[1][1]
+    ids = [t for t, _ in got]
+
+    fresh = {}
+    for v, jobs in ((v0, [(PROMPT, a), (PROMPT + ids[:a], 1)]),
+                    (v1, [(PROMPT + ids[:a], N - a)])):
+        d = tmp_path / f"v{v}"
+        asyncio.run(pull(LocalBoard(root / "board"), run, v, d, tmp_path / "cache", quiet=True))
+        eng = SglangServer(d, tmp_path / f"fresh-v{v}.log", plain=True)
+        try:
+            eng.wait_healthy()
+            fresh[v] = [_tokens(_generate_ids(eng, p, n)) for p, n in jobs]
+        finally:
+            eng.stop()
+    for name, want, have in (("v0 span", got[:a], fresh[v0][0]),
+                             ("v1 span", got[a:], fresh[v1][0])):
+        first = next((i for i, (x, y) in enumerate(zip(want, have, strict=True)) if x != y),
+                     None)
+        assert first is None, (f"{name} differs at its token {first}: follower "
+                               f"{want[first:first + 3]}, fresh {have[first:first + 3]}")
+    assert fresh[v0][1][0][1] != got[a][1], f"token {a} is as likely under v{v0}"

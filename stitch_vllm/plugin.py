@@ -1,8 +1,11 @@
 """The `vllm.general_plugins` entry point (`stitch = stitch_vllm.plugin:register`).
 
 vLLM runs it in every process it starts (API server, engine core, TP workers), possibly several
-times, before any model is loaded, so it stays cheap. On the CPU backend it installs what in-place
-applies need there (the weight keeper, AMX set-up); on GPUs it installs nothing. The follower
+times, before any model is loaded, so it stays cheap. On every platform it wraps the FP8 linear
+method's post-load step (``stitch_vllm.fp8``: the loaders stay usable, the kernel's state is
+followed); on the CPU backend it also installs what in-place applies need there (the weight
+keeper, AMX set-up) and, for tests only, the dev FP8 stand-in kernel when
+``STITCH_DEV_FP8_KERNEL`` is set (``stitch_dev.fp8_kernel``, not in the wheel). The follower
 itself runs in the API server process and is started by `stitch_vllm.server.StitchMiddleware` at
 application start-up, where the engine client exists (a plugin runs before it does).
 """
@@ -43,8 +46,8 @@ def log_to_engine_log() -> None:
 
 
 def register() -> None:
-    """Stitch's log lines into vLLM's log; on vLLM's CPU backend, install the weight keeper and
-    AMX set-up (on GPUs nothing more)."""
+    """Stitch's log lines into vLLM's log; the FP8 keeper (``stitch_vllm.fp8``); on vLLM's CPU
+    backend, the weight keeper, AMX set-up and (tests) the dev FP8 stand-in kernel."""
     try:
         import vllm.logger  # noqa: F401 - configures the "vllm" logger whose stream we share
 
@@ -56,8 +59,25 @@ def register() -> None:
     except Exception as e:  # pragma: no cover - vLLM missing or broken
         log.warning("stitch: vLLM platform unavailable (%s); plugin inactive", e)
         return
+    from .fp8 import install_fp8_keeper
+
+    install_fp8_keeper()  # every platform: FP8 post-load steps drop the loaders everywhere
     if current_platform.is_cpu():
         from .cpu import init_amx, install_cpu_weight_keeper
 
         init_amx()
         install_cpu_weight_keeper()
+        install_dev_fp8_kernel()
+
+
+def install_dev_fp8_kernel() -> str | None:
+    """Tests only: the dev stand-in FP8 block-scaled kernel (``stitch_dev.fp8_kernel``), which
+    adds itself to vLLM's CPU kernel list when its variable STITCH_DEV_FP8_KERNEL is set
+    (``standin`` or ``auto``). stitch_dev is not in the wheel: without the source tree on the
+    path nothing is installed (and the variable does nothing: vLLM chooses its own FP8 kernels).
+    The mode installed, or None."""
+    try:
+        from stitch_dev import fp8_kernel
+    except ImportError:  # the wheel alone
+        return None
+    return fp8_kernel.install()

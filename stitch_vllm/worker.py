@@ -25,6 +25,7 @@ import torch
 from stitch_core.engine.layout import engine_params, read_safetensors_shapes
 
 from .cpu import repack_dirty
+from .fp8 import kernel_names
 
 __all__ = ["StitchWorkerExtension"]
 
@@ -45,6 +46,12 @@ class StitchWorkerExtension:
             info["pp_rank"] = ps.get_pp_group().rank_in_group
         except Exception:  # pragma: no cover - not initialised
             pass
+        try:  # which kernels serve the quantized layers (shown in /stitch/status)
+            fp8 = kernel_names(self._stitch_model())
+        except Exception:  # pragma: no cover - no model yet
+            fp8 = {}
+        if fp8:
+            info["kernels"] = {"fp8": ", ".join(fp8)}
         return info
 
     def _stitch_replica(self):
@@ -90,7 +97,16 @@ class StitchWorkerExtension:
 
     def stitch_apply(self, chunks) -> dict[str, Any]:
         """chunks: [(hf_name, positions, new values)] through the replica's one write path (read
-        back, re-pack, derived-copy check); what was written and which modules re-packed."""
+        back, re-pack, derived-copy check), behind the coordinator's back (no manifest: a
+        tampered rank, as tests make one); what was written and which modules re-packed. Also
+        as a JSON string (vLLM's dev route ``POST /collective_rpc`` passes only strings), values
+        as numbers cast to each tensor's served dtype."""
+        if isinstance(chunks, str):
+            import json
+
+            tensors = self._stitch_replica()._layout().tensors
+            chunks = [(n, pos, torch.tensor(vals, dtype=torch.float64).to(tensors[n].hf_dtype))
+                      for n, pos, vals in json.loads(chunks)]
         self._stitch_repacked = []
         out = self._stitch_replica().put({n: (pos, vals) for n, pos, vals in chunks})
         out["repacked"] = self._stitch_repacked

@@ -130,6 +130,7 @@ class Coordinator(HeldState):
                 "patch_bytes_total": self.patch_bytes_total, "ranks": self.ranks,
                 "fallback_tensors": sorted(self.fallback), "unheld_tensors": self.unheld,
                 "derived_params": self.derived, "derived_copies": self.derived_copies,
+                "kernels": self.kernels, "fp8_kernel": self.kernels.get("fp8"),
                 "steps_held": self.steps_held}
 
     async def _resume(self, proven: bool) -> None:

@@ -348,7 +348,14 @@ def learn_layout(
                             yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
                                                   dtype=idx_dtype).reshape(shapes[n][0])
 
-                    loaded = model.load_weights(index_tensors())
+                    try:
+                        loaded = model.load_weights(index_tensors())
+                    except (AttributeError, TypeError) as e:  # e.g. a plain Parameter, no loader
+                        raise RuntimeError(
+                            f"layout learning for group {g!r}: the model's loader failed on its "
+                            f"parameters ({type(e).__name__}: {e}): a post-load step replaced "
+                            "them without their loaders (a quantized kernel no keeper follows)"
+                        ) from e
                 finally:
                     for n, p in g_params.items():
                         if n in saved:

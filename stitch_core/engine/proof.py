@@ -98,6 +98,7 @@ class HeldState:
         self.unheld: list[str] = []  # tensors no rank holds any element of (e.g. a tied lm_head)
         self.derived: list[str] = []  # engine params no loader writes (computed after loading)
         self.derived_copies: dict[str, int] = {}  # kernels' copies kept in step, by kind
+        self.kernels: dict[str, str] = {}  # kernels of quantized layers, by format (the ranks')
         self.ranks = 0
         self.check: dict[str, Any] = {"ok": None}
         # one proof or apply at a time (held by verify, and by the coordinator's apply and load)
@@ -167,6 +168,8 @@ class HeldState:
         self.derived = sorted({p for r in replies for p in r.derived}
                               | {a for r in replies for a in r.unmanaged})
         self.derived_copies = _merge_counts(r.derived_copies for r in replies)
+        # which kernels serve quantized layers, as the ranks name them ({"fp8": "vllm:..."})
+        self.kernels = {k: v for r in replies for k, v in (r.rank.get("kernels") or {}).items()}
         stale = _stale(replies)
         if stale:
             raise EngineStateError(f"derived copies of weights do not match the weights they are "

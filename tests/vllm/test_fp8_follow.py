@@ -104,28 +104,37 @@ def _tamper(server, name: str, pos: int, value: float) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_fp8_engine_follows_in_place_bit_exact(tmp_path, monkeypatch):
-    monkeypatch.setenv("STITCH_DEV_FP8_KERNEL", KERNEL)  # the follower and the fresh engine
-    model_dir, masters = fp8_model(tmp_path)
-    server = None
-    with Publisher(str(tmp_path / "board"), RUN, "fp8-e4m3-block", config_dir=model_dir) as pub:
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """v0..v2 of the run on a board and `stitch pull`ed: {"root", "dirs", "views"}."""
+    root = tmp_path_factory.mktemp("fp8-run")
+    model_dir, masters = fp8_model(root)
+    with Publisher(str(root / "board"), RUN, "fp8-e4m3-block", config_dir=model_dir) as pub:
         for step in (0, 1, 2):
             if step:
                 masters = next_version(masters, step)
             assert pub.publish(step, masters).result().version == step
-    v0, d1, d2 = (_pull(tmp_path, v) for v in (0, 1, 2))
-    qc = json.loads((v0 / "config.json").read_text())["quantization_config"]
+    dirs = [_pull(root, v) for v in (0, 1, 2)]
+    qc = json.loads((dirs[0] / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
-    v1, v2 = load_file(d1 / "model.safetensors"), load_file(d2 / "model.safetensors")
+    views = [load_file(d / "model.safetensors") for d in dirs]
     for name, bi, bj in SCALED:  # the patch to v2 changes these scales (and their codes)
         s = name.replace(".weight", ".weight_scale_inv")
-        assert v2[s][bi, bj] > v1[s][bi, bj], s
-    assert torch.equal(v1[TAMPERED], v2[TAMPERED])  # a scale the patches leave alone
+        assert views[2][s][bi, bj] > views[1][s][bi, bj], s
+    assert torch.equal(views[1][TAMPERED], views[2][TAMPERED])  # a scale no patch changes
+    return {"root": root, "dirs": dirs, "views": views}
+
+
+def test_fp8_engine_follows_in_place_bit_exact(published, tmp_path, monkeypatch):
+    monkeypatch.setenv("STITCH_DEV_FP8_KERNEL", KERNEL)  # the follower and the fresh engine
+    root, (v0, _, d2) = published["root"], published["dirs"]
+    v2 = published["views"][2]
+    server = None
     want = fresh_outputs([d2], tmp_path)[str(d2)]  # first: the cores are free
 
     try:
         # starts at v0 with v1 and v2 on the board: follows both patches in place
-        server = Server(v0, tmp_path / "server.log", dev_mode=True, board=str(tmp_path / "board"),
+        server = Server(v0, tmp_path / "server.log", dev_mode=True, board=str(root / "board"),
                         run=RUN, cache_dir=str(tmp_path / "engine-cache"),
                         reconcile_interval="1", verify_cooldown="0")
         st = server.wait_version(2, timeout=600)
@@ -156,3 +165,54 @@ def test_fp8_engine_follows_in_place_bit_exact(tmp_path, monkeypatch):
     finally:
         if server is not None:
             server.stop()
+
+
+def test_a_packed_fp8_kernel_is_rebuilt_from_the_patched_codes_and_scales(published):
+    """The derived-copy path (a kernel that reads a copy its post-load step built, as vLLM's AMX
+    kernels do), in-process on any host: the dev stand-in ``standin-packed`` replaces ``weight``
+    by the dequantised bf16 matrix. The plugin keeps the fp8 codes and scales as the layer's
+    masters and registers the copy; a patch v0 -> v2 (codes of every layer, two scales) written
+    through the rank's write path re-runs the post-load step of exactly the layers it touched,
+    and the engine equals a fresh one on v2: outputs, per-tensor fingerprints, no stale copy."""
+    from stitch_core.engine import rpc
+    from stitch_core.format import dtypes
+    from stitch_core.format import fingerprint as fpr
+    from stitch_dev import fp8_kernel
+    from stitch_vllm.fp8 import install_fp8_keeper
+
+    from .test_layout import _engine, _generate, _shutdown
+
+    (d0, _, d2), (w0, _, w2) = published["dirs"], published["views"]
+    install_fp8_keeper()  # what the plugin does in every vLLM process
+    fp8_kernel.install("standin-packed")
+    try:
+        llm = _engine(d0)
+        try:
+            kinds = llm.collective_rpc("stitch_derived_report")[0]["kinds"]
+            assert kinds.get("fp8:StitchDevPackedFp8BlockKernel") == 8, kinds  # 4 per layer
+            llm.collective_rpc("stitch_learn_layout")
+            before = _generate(llm)
+            chunks = []
+            for name, t in w2.items():
+                pos = (dtypes.int_view(t.reshape(-1)) != dtypes.int_view(w0[name].reshape(-1))
+                       ).nonzero().squeeze(1)
+                if pos.numel():
+                    chunks.append((name, pos, t.reshape(-1)[pos]))
+            assert any(n.endswith("weight_scale_inv") for n, _, _ in chunks)
+            res = llm.collective_rpc("stitch_apply", args=(chunks,))[0]
+            assert res["written"] == sum(int(p.numel()) for _, p, _ in chunks)
+            assert llm.collective_rpc("stitch_derived_report")[0]["stale"] == []
+            sums = rpc.decode(llm.collective_rpc(
+                "stitch_call", args=(rpc.encode(rpc.Sums(sorted(w2))),))[0]).sums
+            assert {n: sums[n] for n in w2} == {n: fpr.fingerprint(n, t) for n, t in w2.items()}
+            got = _generate(llm)
+        finally:
+            _shutdown(llm)
+        fresh = _engine(d2)
+        try:
+            want = _generate(fresh)
+        finally:
+            _shutdown(fresh)
+        assert got == want and got != before
+    finally:
+        fp8_kernel.uninstall()

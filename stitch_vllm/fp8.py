@@ -38,7 +38,6 @@ layout learning names the group and the parameter).
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
@@ -46,7 +45,6 @@ from stitch_core.engine import derived
 
 __all__ = ["install_fp8_keeper", "kernel_names", "FP8_PARAMS"]
 
-log = logging.getLogger("stitch.vllm")
 FP8_PARAMS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
 _ORIG = None
 

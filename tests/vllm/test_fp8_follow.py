@@ -19,7 +19,8 @@ scales change, a full block and a partial one) on the board: it applies both pat
 `/stitch/status` names the kernel; greedy tokens and top logprobs equal the fresh engine's, bit
 for bit; `/stitch/verify` passes. Then one scale element is tampered on the rank behind the
 coordinator's back (vLLM's dev route ``/collective_rpc`` -> the worker extension's
-``stitch_apply``): the full check fails naming that scale, the engine stops serving it, recovers
+``stitch_apply``): the served numbers change (the kernel reads that very tensor), the full
+check fails naming that scale, the engine stops serving it, recovers
 through a snapshot load (vLLM's FP8 loaders) plus the patches, and serves v2 proven, equal to
 the fresh engine again.
 """
@@ -154,6 +155,7 @@ def test_fp8_engine_follows_in_place_bit_exact(published, tmp_path, monkeypatch)
 
         # a tampered scale on the rank: the full check names it, the engine stops serving it
         _tamper(server, TAMPERED, 4, float(v2[TAMPERED].reshape(-1)[4]) * 2)
+        assert server.outputs(2) != want  # the kernel reads the scale the check reads
         check = server.http.post("/stitch/verify").json()
         assert check["ok"] is False and TAMPERED in check["mismatched"], check
         t0 = time.monotonic()

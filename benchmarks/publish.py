@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--md", type=Path, help="write the results table here")
     ap.add_argument("--tmp", type=Path, help="work directory (default: a temporary one)")
+    ap.add_argument("--note", default="", help="a line for the results (e.g. the commit measured)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of every command (OMP_NUM_THREADS; 0: torch's default)")
     a = ap.parse_args()
@@ -231,7 +232,7 @@ def main() -> None:
             f"`benchmarks/publish.py --layers {a.layers} --reps {a.reps}` on "
             f"{platform.node() or 'this host'} ({os.cpu_count()} CPUs, torch "
             f"{torch.__version__}, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')} for "
-            f"every command); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+            f"every command); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {a.note}",
             "",
             f"Model: SmolLM-135M shape, {total / 1e6:.1f}M params, {size / 1e6:.0f} MB bf16 "
             f"(one file in an HF directory); {changed:,} elements changed "

@@ -10,6 +10,11 @@ chunk as the smallest:
 ulp values may be coded under contexts taken from the old value (exponent bucket and sign), which
 the decoder recomputes from the base at the decoded positions: cost O(changed), not O(tensor).
 All value transforms are integer work on sign-extended int64 bit patterns (torch, any device).
+
+Size: about 590 lines, one job: a chunk's bytes from and to tensor elements. Besides the
+per-stream functions (any device) it holds the fused CPU passes, `compare` (compare, gather and
+fingerprint delta in one pass over the tensor) and `apply_cpu` (both streams decoded and written
+in place in one kernel), which must stay next to the stream definitions they inline.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from stitch_core._jit import numba
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes, entropy
 from stitch_core.format.dtypes import DTypeInfo
+from stitch_core.format.fingerprint import element_hash_nb as _h
 
 POS_ENCODINGS = ("all", "gaps", "bitmap")
 VAL_ENCODINGS = ("ulp", "xor", "raw")
@@ -193,14 +199,23 @@ def ulp_apply_torch(v: torch.Tensor, old: torch.Tensor, dt: DTypeInfo) -> torch.
 # ---------------------------------------------------------------- positions
 
 
+@numba.njit(cache=True, nogil=True)
+def _gaps(pos, start, out):  # pragma: no cover - compiled
+    last = start - 1
+    for i in range(pos.shape[0]):
+        out[i] = pos[i] - last - 1
+        last = pos[i]
+
+
 def encode_positions(pos: np.ndarray, start: int, stop: int) -> tuple[str, bytes]:
     """Code sorted absolute positions in [start, stop): `all` when every position is there, else
     `gaps` or `bitmap`, whichever is smaller. Returns (encoding, bytes)."""
     k, n = pos.shape[0], stop - start
     if k == n:
         return "all", b""
-    gaps = np.diff(pos, prepend=start - 1) - 1
-    coded = entropy.encode(gaps.astype(np.uint64))
+    gaps = np.empty(k, dtype=np.uint64)
+    _gaps(np.ascontiguousarray(pos, np.int64), start, gaps)
+    coded = entropy.encode(gaps)
     if (n + 7) // 8 < len(coded):
         mask = np.zeros(n, dtype=np.uint8)
         mask[pos - start] = 1
@@ -243,52 +258,96 @@ def decode_positions(
 # ---------------------------------------------------------------- values
 
 
-def _choose_context(
-    old: np.ndarray, tokens: np.ndarray, dt: DTypeInfo
-) -> tuple[Context | None, float]:
-    """Pick the value context with the smallest estimated size (None: no context)."""
-    best: tuple[Context | None, float] = (None, entropy.cost_bits(tokens, np.zeros_like(tokens), 1))
-    if not dt.is_float or tokens.size < 256:
-        return best
-    ub = old & ((1 << dt.bits) - 1)
-    exp = (ub >> dt.mantissa_bits) & ((1 << (dt.bits - 1 - dt.mantissa_bits)) - 1)
-    cdf = np.cumsum(np.bincount(exp)) / exp.size
-    lo, hi = int(np.searchsorted(cdf, 0.01)), int(np.searchsorted(cdf, 0.99))
-    n = int(min(hi - lo + 1, MAX_CTX_EXPONENTS))
-    base = int(hi) - n + 1
-    for sign in (False, True):
-        c = Context(base, n, sign)
-        cost = entropy.cost_bits(tokens, c.of(old, dt), c.count)
-        if cost < best[1]:
-            best = (c, cost)
-    return best
+@numba.njit(cache=True, nogil=True)
+def _value_counts(old, new, step, bits, mant, is_float, base, n, ulp, xor, raw):  # pragma: no cover
+    """Token histograms of every value candidate on old[::step], new[::step]: ulp under the
+    contexts (base, n, sign) (n = 0: context 0 only), xor, raw (raw and xor masked to `bits`)."""
+    umask = (np.int64(1) << bits) - 1 if bits < 64 else np.int64(-1)
+    emask = (np.int64(1) << (bits - 1 - mant)) - 1
+    fmask = (np.int64(1) << (bits - 1)) - 1
+    for i in range(0, old.shape[0], step):
+        o, v = old[i], new[i]
+        t, _ = entropy.token_of(np.uint64((v ^ o) & umask))
+        xor[t] += 1
+        t, _ = entropy.token_of(np.uint64(v & umask))
+        raw[t] += 1
+        if ulp.shape[0] == 0:
+            continue
+        ko, kn = o, v
+        if is_float:
+            ko ^= (ko >> 63) & fmask
+            kn ^= (kn >> 63) & fmask
+        d = kn - ko
+        t, _ = entropy.token_of(np.uint64((d << 1) ^ (d >> 63)))
+        c = 0
+        if n:
+            ub = o & umask
+            c = ((ub >> mant) & emask) - base
+            c = 0 if c < 0 else (n - 1 if c > n - 1 else c)
+            if (ub >> (bits - 1)) & 1:
+                c += n
+        ulp[c, t] += 1
+
+
+_EXTRA = entropy.token_extra_bits(np.arange(256, dtype=np.uint8)).astype(np.float64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _cost(joint):  # pragma: no cover - compiled
+    """entropy.cost_bits of tokens given by their histogram per context (n_ctx, 256)."""
+    ent, ex, nz, total = 0.0, 0.0, 0, 0
+    for c in range(joint.shape[0]):
+        t = joint[c].sum()
+        total += t
+        for s in range(256):
+            v = joint[c, s]
+            if v > 0:
+                nz += 1
+                ent -= v * np.log2(v / t)
+                ex += v * _EXTRA[s]
+    return 0.0 if total == 0 else ent + 8 * (2 * joint.shape[0] + 3 * nz) + ex + 80
+
+
+def _choose(old: np.ndarray, new: np.ndarray, dt: DTypeInfo) -> tuple[str, Context | None]:
+    """The value encoding (and context) with the smallest estimated size, from token histograms
+    of an evenly strided sample: the choice needs statistics, not every element."""
+    k = new.shape[0]
+    step = 1 if k <= ESTIMATE_SAMPLE else k // ESTIMATE_SAMPLE
+    ctx_n, base = 0, 0
+    with_ulp = dt.itemsize <= 4
+    if with_ulp and dt.is_float and len(range(0, k, step)) >= 256:
+        ub = old[::step] & ((1 << dt.bits) - 1)
+        exp = (ub >> dt.mantissa_bits) & ((1 << (dt.bits - 1 - dt.mantissa_bits)) - 1)
+        cdf = np.cumsum(np.bincount(exp)) / exp.size
+        lo, hi = int(np.searchsorted(cdf, 0.01)), int(np.searchsorted(cdf, 0.99))
+        ctx_n = int(min(hi - lo + 1, MAX_CTX_EXPONENTS))
+        base = hi - ctx_n + 1
+    ulp = np.zeros((max(2 * ctx_n, 1) if with_ulp else 0, 256), dtype=np.int64)
+    xor, raw = np.zeros(256, dtype=np.int64), np.zeros(256, dtype=np.int64)
+    _value_counts(old, new, step, dt.bits, dt.mantissa_bits, dt.is_float, base, ctx_n, ulp, xor,
+                  raw)
+    cands: list[tuple[float, str, Context | None]] = []
+    if with_ulp:
+        cands.append((_cost(ulp.sum(0).reshape(1, 256)), "ulp", None))
+        if ctx_n:
+            cands.append((_cost(ulp[:ctx_n] + ulp[ctx_n:]), "ulp", Context(base, ctx_n, False)))
+            cands.append((_cost(ulp), "ulp", Context(base, ctx_n, True)))
+    cands += [(_cost(xor.reshape(1, 256)), "xor", None), (_cost(raw.reshape(1, 256)), "raw", None)]
+    best = cands[0]
+    for c in cands[1:]:
+        if c[0] < best[0]:
+            best = c
+    return best[1], best[2]
 
 
 def encode_values(
     old: torch.Tensor | None, new: torch.Tensor, dt: DTypeInfo
 ) -> tuple[str, Context | None, bytes]:
     """Code new bits (sign-extended int64, at the changed positions) against old bits."""
-    candidates = (
-        ["raw"] if old is None else (["ulp", "xor", "raw"] if dt.itemsize <= 4 else ["xor", "raw"])
-    )
-    old_np = None if old is None else old.cpu().numpy()
-    k = new.shape[0]
-    # choose on an evenly strided sample: the choice needs statistics, not every element
-    idx = slice(None) if k <= ESTIMATE_SAMPLE else slice(None, None, k // ESTIMATE_SAMPLE)
-    best = None
-    for enc in candidates:
-        if len(candidates) == 1:
-            best = (0.0, enc, None)
-            break
-        u = values_for(enc, None if old is None else old[idx], new[idx], dt)
-        tokens = entropy.tokenize(u)[0]
-        if enc == "ulp":
-            ctx, cost = _choose_context(old_np[idx], tokens, dt)
-        else:
-            ctx, cost = None, entropy.cost_bits(tokens, np.zeros_like(tokens), 1)
-        if best is None or cost < best[0]:
-            best = (cost, enc, ctx)
-    _, enc, ctx = best
+    if old is None:
+        return "raw", None, entropy.encode(values_for("raw", None, new, dt))
+    old_np = old.cpu().numpy()
+    enc, ctx = _choose(old_np, new.cpu().numpy(), dt)
     u = values_for(enc, old, new, dt)
     if ctx is None:
         return enc, None, entropy.encode(u)
@@ -335,3 +394,198 @@ def encode_chunk(
     penc, pbytes = encode_positions(pos, start, stop)
     venc, ctx, vbytes = encode_values(old, new, dt)
     return EncodedChunk(start, stop, int(pos.shape[0]), penc, venc, ctx, pbytes, vbytes)
+
+
+# ---------------------------------------------------------------- fused CPU passes
+# The hot paths on CPU, one pass each: `diff_cpu` compares two int views and gathers what the
+# encoder and the fingerprint need; `apply_cpu` decodes one chunk's streams and writes it in place.
+
+VAL_CODES = {"ulp": 0, "xor": 1, "raw": 2}
+_BAD_POS, _BAD_VALUE, _ULP_RANGE = -5, -3, -4
+LAG = 16
+
+
+@numba.njit(cache=True, nogil=True)
+def _diff_positions(a, b, pos):  # pragma: no cover - compiled
+    """Positions where a != b into pos (branch-free: a write per element, a branch per none);
+    returns their count."""
+    k = 0
+    for i in range(a.shape[0]):
+        pos[k] = i
+        k += a[i] != b[i]
+    return k
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather(a, b, pos, offset, seed, itemsize, old, new):  # pragma: no cover - compiled
+    """Old and new bits (sign-extended) at pos, pos += offset, and the fingerprint delta."""
+    acc = np.uint64(0)
+    for j in range(old.shape[0]):
+        i = pos[j]
+        o, n = np.int64(a[i]), np.int64(b[i])
+        p = i + offset
+        old[j], new[j], pos[j] = o, n, p
+        acc += _h(p, n, seed, itemsize) - _h(p, o, seed, itemsize)
+    return acc
+
+
+def compare(
+    a: torch.Tensor, b: torch.Tensor, offset: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+    """(positions + offset, old bits, new bits) where the int views a and b differ, and the
+    fingerprint delta of tensor `seed` (CPU: one numba pass; elsewhere torch, and None)."""
+    if a.device.type != "cpu" or b.device.type != "cpu":
+        pos = torch.nonzero(a != b).reshape(-1)
+        return pos + offset, a[pos].to(torch.int64), b[pos].to(torch.int64), None
+    an, bn = a.numpy(), b.numpy()
+    pos = np.empty(a.numel() + 1, dtype=np.int64)  # pages are touched only up to the count
+    k = _diff_positions(an, bn, pos)
+    pos = pos[:k].copy()
+    old, new = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+    delta = _gather(an, bn, pos, offset, seed, a.element_size(), old, new)
+    return torch.from_numpy(pos), torch.from_numpy(old), torch.from_numpy(new), int(delta)
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply(  # pragma: no cover - compiled
+    flat, pos, gaps, start, stop, pst, val, venc, ctx, dti, seed, old_out, ubuf
+):
+    """Decode one chunk and write it into `flat`; (status, fingerprint delta). pst/val: (rans,
+    extra, freq, cum, lookup, scale bits) of the gap stream (when `gaps`, else `pos` is given)
+    and of the value stream; ctx: (base, n, sign), n = 0 without; dti: (bits, mantissa bits,
+    is_float, itemsize). On failure every write is undone."""
+    prans, pextra, pfreq, pcum, plook, psb = pst
+    vrans, vextra, vfreq, vcum, vlook, vsb = val
+    cbase, cn, csign = ctx
+    bits, mant, is_float, itemsize = dti
+    k = old_out.shape[0]
+    status = 0
+    acc = np.uint64(0)
+    pp, pq, pacc, phave, px = 4, 0, np.uint64(0), 0, np.uint64(entropy.RANS_L)
+    if gaps:
+        if prans.shape[0] < 4:
+            return -1, acc
+        px = entropy.rans_state(prans)
+    if vrans.shape[0] < 4:
+        return -1, acc
+    vx = entropy.rans_state(vrans)
+    vp, vq, vacc, vhave = 4, 0, np.uint64(0), 0
+    pmask = np.uint64((1 << psb) - 1)
+    vmask = np.uint64((1 << vsb) - 1)
+    umask = (np.int64(1) << bits) - 1
+    emask = (np.int64(1) << (bits - 1 - mant)) - 1
+    fmask = (np.int64(1) << (bits - 1)) - 1
+    half = np.int64(1) << (bits - 1)
+    last = np.int64(start - 1)
+    # the position and value decoders are two independent chains, interleaved for the CPU to
+    # overlap; values run LAG positions behind, so the load of an old value never stalls them
+    for i in range(k + LAG):
+        if gaps and i < k:
+            s, px, pp = entropy.rans_step(prans, pp, px, 0, pfreq, pcum, plook, pmask, psb)
+            if pp < 0:
+                return -1, acc
+            g, pq, pacc, phave = entropy.extra_step(pextra, pq, pacc, phave, int(s))
+            if pq < 0:
+                return -2, acc
+            if g >= np.uint64(stop - last - 1):
+                return _BAD_POS, acc
+            last += np.int64(g) + 1
+            pos[i] = last
+        j = i - LAG
+        if j < 0:
+            continue
+        o = np.int64(flat[pos[j]])
+        old_out[j] = o
+        c = 0
+        if cn:
+            ub = o & umask
+            c = ((ub >> mant) & emask) - cbase
+            c = 0 if c < 0 else (cn - 1 if c > cn - 1 else c)
+            if csign and (ub >> (bits - 1)) & 1:
+                c += cn
+        s, vx, vp = entropy.rans_step(vrans, vp, vx, c, vfreq, vcum, vlook, vmask, vsb)
+        if vp < 0:
+            return -1, acc
+        u, vq, vacc, vhave = entropy.extra_step(vextra, vq, vacc, vhave, int(s))
+        if vq < 0:
+            return -2, acc
+        ubuf[j] = u
+    if gaps and (px != np.uint64(entropy.RANS_L) or pp != prans.shape[0]):
+        return -1, acc
+    if gaps and (pacc != 0 or pq != pextra.shape[0]):
+        return -2, acc
+    if vx != np.uint64(entropy.RANS_L) or vp != vrans.shape[0]:
+        return -1, acc
+    if vacc != 0 or vq != vextra.shape[0]:
+        return -2, acc
+    for i in range(k):
+        p, o, u = pos[i], old_out[i], ubuf[i]
+        if venc == 0:
+            d = np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1))
+            n = o ^ ((o >> 63) & fmask) if is_float else o
+            n += d
+            if n < -half or n >= half:
+                status = _ULP_RANGE
+                break
+            if is_float:
+                n ^= (n >> 63) & fmask
+        else:
+            if u >> np.uint64(bits):
+                status = _BAD_VALUE
+                break
+            n = np.int64(u) ^ (o & umask) if venc == 1 else np.int64(u)
+            n = ((n + half) & umask) - half
+        flat[p] = n
+        acc += _h(p, n, seed, itemsize) - _h(p, o, seed, itemsize)
+    if status != 0:
+        for j in range(i):
+            flat[pos[j]] = old_out[j]
+    return status, acc
+
+
+_NO_STREAM = None
+
+
+def _stream_args(st: entropy.Stream) -> tuple:
+    return (st.rans, st.extra, st.freq, st.cum, st.lookup, st.scale_bits)
+
+
+def apply_cpu(
+    flat: np.ndarray, penc: str, pdata, venc: str, ctx: Context | None, vdata,
+    start: int, stop: int, k: int, dt: DTypeInfo, seed: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Decode one chunk straight into `flat` (a CPU int view as numpy, itemsize <= 4) in one
+    pass: (positions, old bits, fingerprint delta). Raises CodecError, having written nothing."""
+    global _NO_STREAM
+    if venc not in VAL_CODES:
+        raise CodecError(f"unknown value encoding {venc!r}")
+    if ctx is not None and (venc != "ulp" or not dt.is_float):
+        raise CodecError("value context without a float base")
+    gaps = penc == "gaps"
+    try:
+        if gaps:
+            pst = _stream_args(entropy.parse(pdata, k))
+            if pst[2].shape[0] != 1:
+                raise CodecError("positions: context out of range")
+            pos = np.empty(k, dtype=np.int64)
+        else:
+            pos = decode_positions(penc, pdata, start, stop, k)
+            if _NO_STREAM is None:
+                _NO_STREAM = _stream_args(entropy.parse(entropy.encode(np.zeros(0, np.uint64)), 0))
+            pst = _NO_STREAM
+        vst = entropy.parse(vdata, k)
+    except entropy.StreamError as e:
+        raise CodecError(f"{'positions' if gaps else 'values'}: {e}") from None
+    c = (ctx.base, ctx.n, ctx.sign) if ctx is not None else (0, 0, False)
+    if vst.n_ctx < (ctx.count if ctx is not None else 1):
+        raise CodecError("values: context out of range")
+    old = np.empty(k, dtype=np.int64)
+    dti = (dt.bits, dt.mantissa_bits, dt.is_float, dt.itemsize)
+    status, delta = _apply(flat, pos, gaps, start, stop, pst, _stream_args(vst), VAL_CODES[venc],
+                           c, dti, seed, old, np.empty(k, dtype=np.uint64))
+    if status:
+        raise CodecError({-1: "corrupt entropy-coded stream", -2: "corrupt extra bits",
+                          _BAD_POS: "position out of chunk range",
+                          _BAD_VALUE: f"{venc} value wider than its dtype",
+                          _ULP_RANGE: "ulp delta leaves the dtype's range"}[status])
+    return pos, old, int(delta)

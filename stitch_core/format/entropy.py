@@ -7,12 +7,17 @@ An unsigned 64-bit value u becomes a token (0..255) and `extra` raw bits:
 Tokens are coded with a static rANS coder (32-bit state, byte-wise renormalisation, L = 2^23) under
 per-context frequency tables stored in the stream; extra bits are packed LSB-first. The hot loops
 are small numba kernels; everything around them is vectorised numpy.
+
+Size: about 460 lines, one job: the stream format. The decoder's per-token steps (`rans_step`,
+`extra_step`) are public numba functions that codec's fused apply pass inlines, so a stream is
+defined, encoded and decoded in one place.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,31 +67,73 @@ def detokenize(tokens: np.ndarray, extra: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- numba kernels
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def token_of(v):  # pragma: no cover - compiled
+    """(token, extra bit count) of one value."""
+    if v < 16:
+        return np.uint8(v), 0
+    nb = 0
+    x = v
+    for sh in (32, 16, 8, 4, 2, 1):
+        if x >> np.uint64(sh):
+            x >>= np.uint64(sh)
+            nb += sh
+    return np.uint8(16 + 4 * (nb - 4) + int((v >> np.uint64(nb - 2)) & np.uint64(3))), nb - 2
+
+
 @numba.njit(cache=True, nogil=True)
-def _histogram(tokens, ctx, counts):  # pragma: no cover - compiled
-    for i in range(tokens.shape[0]):
-        counts[ctx[i], tokens[i]] += 1
+def _tokenize_count(u, ctx, tok, counts):  # pragma: no cover - compiled
+    """Tokens of u into `tok`, their histogram per context into `counts`; total extra bits."""
+    total = 0
+    for i in range(u.shape[0]):
+        t, ne = token_of(u[i])
+        tok[i] = t
+        counts[ctx[i], t] += 1
+        total += ne
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack_extra(u, tok, out):  # pragma: no cover - compiled
+    """Pack each value's extra bits (the low (token - 16) // 4 + 2 bits), LSB-first; bytes used."""
+    acc = np.uint64(0)
+    have = 0
+    p = 0
+    for i in range(u.shape[0]):
+        t = int(tok[i])
+        if t < 16:
+            continue
+        n = (t - 16) // 4 + 2
+        v = u[i]
+        while n > 0:
+            take = 32 if n > 32 else n
+            acc |= (v & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(have)
+            have += take
+            v >>= np.uint64(take)
+            n -= take
+            if have >= 32:
+                out[p] = np.uint8(acc & np.uint64(0xFF))
+                out[p + 1] = np.uint8((acc >> np.uint64(8)) & np.uint64(0xFF))
+                out[p + 2] = np.uint8((acc >> np.uint64(16)) & np.uint64(0xFF))
+                out[p + 3] = np.uint8((acc >> np.uint64(24)) & np.uint64(0xFF))
+                p += 4
+                acc >>= np.uint64(32)
+                have -= 32
+    while have > 0:
+        out[p] = np.uint8(acc & np.uint64(0xFF))
+        p += 1
+        acc >>= np.uint64(8)
+        have -= 8
+    return p
 
 
 @numba.njit(cache=True, nogil=True)
 def _tokenize(u, tok, extra, nextra):  # pragma: no cover - compiled
     total = 0
     for i in range(u.shape[0]):
-        v = u[i]
-        if v < 16:
-            tok[i] = np.uint8(v)
-            extra[i] = 0
-            nextra[i] = 0
-            continue
-        nb = 0
-        x = v
-        for sh in (32, 16, 8, 4, 2, 1):
-            if x >> np.uint64(sh):
-                x >>= np.uint64(sh)
-                nb += sh
-        ne = nb - 2
-        tok[i] = np.uint8(16 + 4 * (nb - 4) + int((v >> np.uint64(ne)) & np.uint64(3)))
-        extra[i] = v & ((np.uint64(1) << np.uint64(ne)) - np.uint64(1))
+        t, ne = token_of(u[i])
+        tok[i] = t
+        extra[i] = u[i] & ((np.uint64(1) << np.uint64(ne)) - np.uint64(1))
         nextra[i] = np.uint8(ne)
         total += ne
     return total
@@ -105,80 +152,44 @@ def _detokenize(tok, extra, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _unpack_detokenize(tok, data, out):  # pragma: no cover - compiled
-    """Read each token's extra bits (LSB-first) and rebuild values. Bytes used, or -1."""
-    acc = np.uint64(0)
-    have = 0
-    p = 0
-    for i in range(tok.shape[0]):
-        t = int(tok[i])
-        if t < 16:
-            out[i] = np.uint64(t)
-            continue
-        nb = (t - 16) // 4 + 4
-        n = nb - 2
-        v = np.uint64(0)
-        shift = 0
-        while n > 0:
-            take = 32 if n > 32 else n
-            while have < take:
-                if p >= data.shape[0]:
-                    return -1
-                acc |= np.uint64(data[p]) << np.uint64(have)
-                p += 1
-                have += 8
-            v |= (acc & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(shift)
-            acc >>= np.uint64(take)
-            have -= take
-            shift += take
-            n -= take
-        m = np.uint64((t - 16) & 3)
-        out[i] = (np.uint64(1) << np.uint64(nb)) | (m << np.uint64(nb - 2)) | v
-    if acc != 0:  # padding bits must be zero
-        return -1
-    return p
-
-
-@numba.njit(cache=True, nogil=True)
-def _pack_bits(values, nbits, out):  # pragma: no cover - compiled
-    acc = np.uint64(0)
-    have = 0
-    p = 0
-    for i in range(values.shape[0]):
-        v = values[i]
-        n = int(nbits[i])
-        while n > 0:
-            take = 32 if n > 32 else n
-            acc |= (v & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(have)
-            have += take
-            v >>= np.uint64(take)
-            n -= take
-            while have >= 8:
-                out[p] = np.uint8(acc & np.uint64(0xFF))
-                p += 1
-                acc >>= np.uint64(8)
-                have -= 8
-    if have > 0:
-        out[p] = np.uint8(acc & np.uint64(0xFF))
-        p += 1
-    return p
-
-
-@numba.njit(cache=True, nogil=True)
 def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover - compiled
-    """Encode in reverse into the tail of `out`; returns the start index of the stream."""
+    """Encode in reverse into the tail of `out`; returns the start index of the stream.
+
+    x // f and x % f through a per-symbol reciprocal (ryg_rans' exact scheme for 32-bit states):
+    x' = x + bias + mulhi32(x, rcp) >> shift * (2^scale - f), the same state as
+    ((x // f) << scale) + x % f + cum, without a division per token."""
+    nc = freq.shape[0]
+    rcp = np.zeros((nc, 256), dtype=np.uint64)
+    rsh = np.zeros((nc, 256), dtype=np.uint64)
+    bias = np.zeros((nc, 256), dtype=np.uint64)
+    xmax = np.zeros((nc, 256), dtype=np.uint64)
+    m = np.uint64(1) << np.uint64(scale_bits)
+    for c in range(nc):
+        for s in range(256):
+            f = np.uint64(freq[c, s])
+            xmax[c, s] = np.uint64((RANS_L >> scale_bits) << 8) * f
+            if f < 2:
+                rcp[c, s] = np.uint64(0xFFFFFFFF)
+                bias[c, s] = np.uint64(cum[c, s]) + m - np.uint64(1)
+            else:
+                sh = 0
+                while f > (np.uint64(1) << np.uint64(sh)):
+                    sh += 1
+                rcp[c, s] = ((np.uint64(1) << np.uint64(sh + 31)) + f - np.uint64(1)) // f
+                rsh[c, s] = np.uint64(sh - 1)
+                bias[c, s] = np.uint64(cum[c, s])
     p = out.shape[0]
     x = np.uint64(RANS_L)
     for i in range(tokens.shape[0] - 1, -1, -1):
         c = ctx[i]
         s = tokens[i]
-        f = np.uint64(freq[c, s])
-        x_max = np.uint64((RANS_L >> scale_bits) << 8) * f
+        x_max = xmax[c, s]
         while x >= x_max:
             p -= 1
             out[p] = np.uint8(x & np.uint64(0xFF))
             x >>= np.uint64(8)
-        x = ((x // f) << np.uint64(scale_bits)) + (x % f) + np.uint64(cum[c, s])
+        q = ((x * rcp[c, s]) >> np.uint64(32)) >> rsh[c, s]
+        x = x + bias[c, s] + q * (m - np.uint64(freq[c, s]))
     for _ in range(4):
         p -= 1
         out[p] = np.uint8((x >> np.uint64(24)) & np.uint64(0xFF))
@@ -186,37 +197,77 @@ def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover -
     return p
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def rans_step(data, p, x, c, freq, cum, lookup, mask, scale_bits):  # pragma: no cover
+    """One decoded token: (symbol, new state, new read position or -1 if malformed)."""
+    slot = x & mask
+    s = lookup[c, slot]
+    f = np.uint64(freq[c, s])
+    if f == 0:
+        return s, x, -1
+    x = f * (x >> np.uint64(scale_bits)) + slot - np.uint64(cum[c, s])
+    while x < np.uint64(RANS_L):
+        if p >= data.shape[0]:
+            return s, x, -1
+        x = (x << np.uint64(8)) | np.uint64(data[p])
+        p += 1
+    return s, x, p
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def extra_step(data, q, acc, have, t):  # pragma: no cover - compiled
+    """The value of token t, reading its extra bits: (value, q, acc, have); q = -1 if short."""
+    if t < 16:
+        return np.uint64(t), q, acc, have
+    nb = (t - 16) // 4 + 4
+    n = nb - 2
+    v = np.uint64(0)
+    shift = 0
+    while n > 0:
+        take = 32 if n > 32 else n
+        while have < take:
+            if q >= data.shape[0]:
+                return v, -1, acc, have
+            acc |= np.uint64(data[q]) << np.uint64(have)
+            q += 1
+            have += 8
+        v |= (acc & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(shift)
+        acc >>= np.uint64(take)
+        have -= take
+        shift += take
+        n -= take
+    m = np.uint64((t - 16) & 3)
+    return (np.uint64(1) << np.uint64(nb)) | (m << np.uint64(nb - 2)) | v, q, acc, have
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def rans_state(data):  # pragma: no cover - compiled
+    return (np.uint64(data[0]) | (np.uint64(data[1]) << np.uint64(8))
+            | (np.uint64(data[2]) << np.uint64(16)) | (np.uint64(data[3]) << np.uint64(24)))
+
+
 @numba.njit(cache=True, nogil=True)
-def _rans_decode(data, ctx, freq, cum, lookup, scale_bits, out):  # pragma: no cover - compiled
-    """Decode len(out) tokens. Returns bytes consumed, or -1 if the stream is malformed."""
-    n = data.shape[0]
-    if n < 4:
+def _decode_values(rans, extra, ctx, freq, cum, lookup, scale_bits, out):  # pragma: no cover
+    """Tokens and extra bits in one pass into values: 0, or -1 (rANS) / -2 (extra bits) if the
+    stream is malformed or not consumed exactly."""
+    if rans.shape[0] < 4:
         return -1
-    x = (
-        np.uint64(data[0])
-        | (np.uint64(data[1]) << np.uint64(8))
-        | (np.uint64(data[2]) << np.uint64(16))
-        | (np.uint64(data[3]) << np.uint64(24))
-    )
-    p = 4
+    x = rans_state(rans)
+    p, q, acc, have = 4, 0, np.uint64(0), 0
     mask = np.uint64((1 << scale_bits) - 1)
     for i in range(out.shape[0]):
-        c = ctx[i]
-        slot = x & mask
-        s = lookup[c, slot]
-        f = np.uint64(freq[c, s])
-        if f == 0:
+        s, x, p = rans_step(rans, p, x, ctx[i], freq, cum, lookup, mask, scale_bits)
+        if p < 0:
             return -1
-        x = f * (x >> np.uint64(scale_bits)) + slot - np.uint64(cum[c, s])
-        while x < np.uint64(RANS_L):
-            if p >= n:
-                return -1
-            x = (x << np.uint64(8)) | np.uint64(data[p])
-            p += 1
-        out[i] = s
-    if x != np.uint64(RANS_L):
+        v, q, acc, have = extra_step(extra, q, acc, have, int(s))
+        if q < 0:
+            return -2
+        out[i] = v
+    if x != np.uint64(RANS_L) or p != rans.shape[0]:
         return -1
-    return p
+    if acc != 0 or q != extra.shape[0]:
+        return -2
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -233,15 +284,15 @@ def _build_lookup(freq, cum, scale_bits, lookup):  # pragma: no cover - compiled
 # ---------------------------------------------------------------- frequency tables
 
 
-def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
-    """Counts (256,) -> frequencies summing to 2^scale_bits, every used symbol >= 1."""
-    total = int(counts.sum())
-    target = 1 << scale_bits
-    if total == 0:
-        return np.zeros(256, dtype=np.int64)
-    f = np.where(counts > 0, np.maximum(1, (counts * target) // total), 0).astype(np.int64)
-    diff = target - int(f.sum())
-    order = np.argsort(-counts, kind="stable")
+@numba.njit(cache=True, nogil=True)
+def _normalize(counts, target, cap, f):  # pragma: no cover - compiled
+    """`normalize` of one row into f; False when its rare last case (every symbol used and the
+    top one over the cap) is left to the caller."""
+    total = counts.sum()
+    for s in range(256):
+        f[s] = max(1, (counts[s] * target) // total) if counts[s] > 0 else 0
+    diff = target - f.sum()
+    order = np.argsort(-counts, kind="mergesort")
     i = 0
     while diff != 0:  # at most a few passes over <= 256 symbols
         s = order[i % 256]
@@ -254,11 +305,29 @@ def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
                 f[s] -= take
                 diff += take
         i += 1
+    top = np.argmax(f)
+    if f[top] > cap:
+        for s in range(256):
+            if f[s] == 0:
+                f[s] += f[top] - cap
+                f[top] = cap
+                return True
+        return False
+    return True
+
+
+def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
+    """Counts (256,) -> frequencies summing to 2^scale_bits, every used symbol >= 1. The most
+    probable symbol gets at most 1 - 2^-MIN_COST_SHIFT of the table."""
+    target = 1 << scale_bits
+    f = np.zeros(256, dtype=np.int64)
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if int(counts.sum()) == 0:
+        return f
     cap = target - (target >> MIN_COST_SHIFT)
-    top = int(np.argmax(f))
-    if f[top] > cap:  # no symbol is (nearly) free: every token costs >= MIN_TOKEN_BITS
-        spare = np.flatnonzero(f == 0)
-        f[spare[0] if spare.size else int(np.argsort(f)[-2])] += int(f[top]) - cap
+    if not _normalize(counts, target, cap, f):  # no symbol is (nearly) free: give one away
+        top = int(np.argmax(f))
+        f[int(np.argsort(f)[-2])] += int(f[top]) - cap
         f[top] = cap
     return f
 
@@ -295,12 +364,9 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
     u = np.ascontiguousarray(u, dtype=np.uint64)
     k = u.shape[0]
     tokens = np.empty(k, dtype=np.uint8)
-    extra = np.empty(k, dtype=np.uint64)
-    nextra = np.empty(k, dtype=np.uint8)
-    extra_bits = _tokenize(u, tokens, extra, nextra)
     ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
     counts = np.zeros((n_ctx, 256), dtype=np.int64)
-    _histogram(tokens, ctx, counts)
+    extra_bits = _tokenize_count(u, ctx, tokens, counts)
     freq = np.stack([normalize(counts[c]) for c in range(n_ctx)]).astype(np.uint32)
     cum = np.zeros_like(freq)
     cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
@@ -313,14 +379,31 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
         head.append(rec.tobytes())
     buf = np.empty(4 + 2 * k + 16, dtype=np.uint8)  # rANS emits < 2 bytes per 8-bit token
     start = _rans_encode(tokens, ctx, freq, cum, SCALE_BITS, buf)
-    rans = buf[start:].tobytes()
     ebuf = np.empty((extra_bits + 7) // 8 + 8, dtype=np.uint8)
-    elen = _pack_bits(extra, nextra, ebuf)
-    return b"".join(head) + struct.pack("<II", len(rans), elen) + rans + ebuf[:elen].tobytes()
+    elen = _pack_extra(u, tokens, ebuf)
+    head.append(struct.pack("<II", buf.shape[0] - start, elen))
+    return b"".join((*head, buf[start:], ebuf[:elen]))
 
 
-def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> np.ndarray:
-    """Decode k uint64 values; contexts must be those given to `encode`. Raises StreamError."""
+@dataclass
+class Stream:
+    """A parsed stream: its frequency tables (and decoding lookup) and its two payloads."""
+
+    scale_bits: int
+    freq: np.ndarray  # (n_ctx, 256) uint32
+    cum: np.ndarray
+    lookup: np.ndarray  # (n_ctx, 2^scale_bits) uint8: slot -> symbol
+    rans: np.ndarray  # uint8
+    extra: np.ndarray  # uint8
+
+    @property
+    def n_ctx(self) -> int:
+        return self.freq.shape[0]
+
+
+def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
+    """Read a stream's tables and locate its payloads; checks everything but the payloads
+    themselves. Raises StreamError."""
     buf = np.frombuffer(data, dtype=np.uint8)
     if buf.size < 2:
         raise StreamError("stream too short")
@@ -339,13 +422,14 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
         rec = np.frombuffer(buf[p : p + 3 * n_used].tobytes(), dtype=[("s", "u1"), ("f", "<u2")])
         p += 3 * n_used
         if n_used:
+            s, f = rec["s"], rec["f"]
             if (
-                np.unique(rec["s"]).size != n_used
-                or int(rec["f"].astype(np.int64).sum()) != (1 << scale_bits)
-                or (rec["f"] == 0).any()
+                np.unique(s).size != n_used
+                or int(f.astype(np.int64).sum()) != (1 << scale_bits)
+                or (f == 0).any()
             ):
                 raise StreamError("frequency table does not sum to 2^scale")
-            freq[c, rec["s"]] = rec["f"]
+            freq[c, s] = f
     if p + 8 > buf.size:
         raise StreamError("truncated stream header")
     rans_len, extra_len = struct.unpack_from("<II", buf, p)
@@ -355,19 +439,27 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
     if rans_len + extra_len < min_stream_bytes(k):
         raise StreamError(f"{buf.size} bytes cannot hold {k} values (over the format's "
                           "expansion limit: a decompression bomb?)")
-    ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
-    if ctx.shape[0] != k or (k and int(ctx.max()) >= n_ctx):
-        raise StreamError("context out of range")
     cum = np.zeros_like(freq)
     cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
     lookup = np.zeros((n_ctx, 1 << scale_bits), dtype=np.uint8)
     _build_lookup(freq, cum, scale_bits, lookup)
-    tokens = np.empty(k, dtype=np.uint8)
-    used = _rans_decode(buf[p : p + rans_len], ctx, freq, cum, lookup, scale_bits, tokens)
-    if used != rans_len:
-        raise StreamError("corrupt entropy-coded stream")
+    return Stream(scale_bits, freq, cum, lookup, buf[p : p + rans_len], buf[p + rans_len :])
+
+
+def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> np.ndarray:
+    """Decode k uint64 values; contexts must be those given to `encode`. Raises StreamError."""
+    st = parse(data, k)
+    ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
+    if ctx.shape[0] != k or (k and int(ctx.max()) >= st.n_ctx):
+        raise StreamError("context out of range")
     out = np.empty(k, dtype=np.uint64)
-    got = _unpack_detokenize(tokens, buf[p + rans_len :], out)
-    if got != extra_len:
-        raise StreamError("corrupt extra bits")
+    check(_decode_values(st.rans, st.extra, ctx, st.freq, st.cum, st.lookup, st.scale_bits, out))
     return out
+
+
+def check(status: int) -> None:
+    """Raise the StreamError a kernel's negative status stands for."""
+    if status == -1:
+        raise StreamError("corrupt entropy-coded stream")
+    if status == -2:
+        raise StreamError("corrupt extra bits")

@@ -100,6 +100,11 @@ def _h(pos, b, seed, itemsize):  # pragma: no cover - compiled
     return np.uint64(_mix(a ^ b))
 
 
+# h for numba kernels elsewhere that fold a fingerprint into a pass they make anyway (the
+# codec's compare and apply passes), so that no object is hashed twice
+element_hash_nb = _h
+
+
 @numba.njit(cache=True, nogil=True)
 def _sum_cpu(bits, offset, seed, itemsize):  # pragma: no cover - compiled
     """The same sum as the torch path, one pass, for CPU tensors (int views as numpy)."""

@@ -1,6 +1,6 @@
 """diff(base, new) -> Patch and apply(base, patch) -> new, over dicts of tensors in HF layout.
 
-Size: about 590 lines, one job: the patch codec over dicts of tensors (`diff` and
+Size: about 595 lines, one job: the patch codec over dicts of tensors (`diff` and
 `PatchBuilder` write a patch, `apply`, `apply_entry` and `PatchSet` read one). The builder and
 the appliers share the chunk layout, the decoder and the whole-state checks, which must stay one
 definition, and every public name is pinned at this path (tests/test_architecture.py).
@@ -88,21 +88,26 @@ class PatchBuilder:
         )
 
     def _changes(self, name: str, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
-                 dt: dtypes.DTypeInfo, lo: int, hi: int, fp: int) -> tuple[list[Chunk], int]:
+                 dt: dtypes.DTypeInfo, lo: int, hi: int, fp: int,
+                 delta: int | None = None) -> tuple[list[Chunk], int]:
         """The one chunk loop: changes at sorted global positions `pos` (old and new int64
         bits), in windows of `chunk_span` clamped to the range [lo, hi) the producer holds, and
-        the fingerprint `fp` updated by them."""
+        the fingerprint `fp` moved by them (by `delta` when the compare pass summed it)."""
         if not pos.numel():
             return [], fp
-        fp = fpr.update(fp, name, pos, old, new, dt.itemsize)
-        win = torch.div(pos, self._span, rounding_mode="floor")
-        cuts = [0, *(torch.nonzero(win[1:] != win[:-1]).reshape(-1) + 1).tolist(), pos.numel()]
+        if delta is None:
+            fp = fpr.update(fp, name, pos, old, new, dt.itemsize)
+        else:
+            fp = (fp + delta) & fpr.MASK64
+        p = pos.cpu().numpy()
+        first, end = int(p[0]) // self._span, int(p[-1]) // self._span + 1
+        cuts = np.searchsorted(p, np.arange(first, end + 1) * self._span).tolist()
         chunks = []
-        for a, b in zip(cuts, cuts[1:], strict=False):
-            w = int(win[a]) * self._span
-            s, e = max(w, lo), min(w + self._span, hi)
-            enc = codec.encode_chunk(pos[a:b].cpu().numpy(), old[a:b], new[a:b], dt, s, e)
-            chunks.append(self._chunk(enc))
+        for w, a, b in zip(range(first, end), cuts, cuts[1:], strict=False):
+            s, e = max(w * self._span, lo), min((w + 1) * self._span, hi)
+            if b > a:
+                enc = codec.encode_chunk(p[a:b], old[a:b], new[a:b], dt, s, e)
+                chunks.append(self._chunk(enc))
         return chunks, fp
 
     def add(
@@ -129,14 +134,9 @@ class PatchBuilder:
         if new is None:
             if base is None:
                 raise PatchError(f"{name}: neither base nor new given")
-            entry = TensorEntry(
-                name=name,
-                dtype=dtypes.info(base.dtype).name,
-                shape=list(base.shape),
-                kind="removed",
-                changed=0,
-                base_fp=fpr.fmt(base_fp),
-            )
+            entry = TensorEntry(name=name, dtype=dtypes.info(base.dtype).name,
+                                shape=list(base.shape), kind="removed", changed=0,
+                                base_fp=fpr.fmt(base_fp))
             self.entries.append(entry)
             return entry
         dt = dtypes.info(new.dtype)
@@ -144,11 +144,8 @@ class PatchBuilder:
         chunks: list[Chunk] = []
         note = None
         if base is None or base.dtype != new.dtype or tuple(base.shape) != tuple(new.shape):
-            note = (
-                "added"
-                if base is None
-                else ("dtype changed" if base.dtype != new.dtype else "reshaped")
-            )
+            note = ("added" if base is None
+                    else ("dtype changed" if base.dtype != new.dtype else "reshaped"))
             for s, e in _spans(nv.numel(), self._span):
                 pos = np.arange(s, e, dtype=np.int64)
                 chunks.append(
@@ -157,10 +154,8 @@ class PatchBuilder:
             target_fp = fpr.fingerprint(name, new)
             kind = "full"
         else:
-            bv = dtypes.int_view(base)
-            pos = torch.nonzero(bv != nv).reshape(-1)
-            chunks, target_fp = self._changes(name, pos, bv[pos].to(torch.int64),
-                                              nv[pos].to(torch.int64), dt, 0, nv.numel(), base_fp)
+            pos, old, nb, delta = codec.compare(dtypes.int_view(base), nv, 0, fpr.seed_of(name))
+            chunks, target_fp = self._changes(name, pos, old, nb, dt, 0, nv.numel(), base_fp, delta)
             kind = "patch"
         entry = TensorEntry(
             name=name,
@@ -195,9 +190,8 @@ class PatchBuilder:
         lo, hi = offset, offset + nv.numel()
         if base_fp is None:
             base_fp = fpr.fingerprint(name, base, offset=offset)
-        local = torch.nonzero(bv != nv).reshape(-1)
-        chunks, target_fp = self._changes(name, local + lo, bv[local].to(torch.int64),
-                                          nv[local].to(torch.int64), dt, lo, hi, base_fp)
+        pos, old, nb, delta = codec.compare(bv, nv, lo, fpr.seed_of(name))
+        chunks, target_fp = self._changes(name, pos, old, nb, dt, lo, hi, base_fp, delta)
         entry = TensorEntry(
             name=name,
             dtype=dt.name,
@@ -465,15 +459,25 @@ def apply_entry(
         if inplace and not out.is_contiguous():
             raise _fail(f"{name}: in-place apply needs a contiguous tensor")
         got = fpr.parse(entry.base_fp)
+        fused = flat.device.type == "cpu" and dt.itemsize <= 4  # one pass per chunk, in numba
         for c, pb, vb in _chunks(reader, entry):
-            pos = torch.from_numpy(codec.decode_positions(c.pos, pb, c.start, c.stop, c.count))
-            pos = pos.to(flat.device)
-            old = flat[pos].to(torch.int64)
-            new = decode_chunk(name, c, vb, old, dt, flat.device)
-            flat[pos] = new.to(dt.int_dtype)
+            if fused:
+                try:
+                    ctx = codec.Context.from_list(c.ctx) if c.ctx else None
+                    p, o, d = codec.apply_cpu(flat.numpy(), c.pos, pb, c.val, ctx, vb, c.start,
+                                              c.stop, c.count, dt, fpr.seed_of(name))
+                except CodecError as e:
+                    raise _fail(f"{name}: corrupt patch data: {e}") from None
+                pos, old, got = torch.from_numpy(p), torch.from_numpy(o), (got + d) & fpr.MASK64
+            else:
+                pos = torch.from_numpy(codec.decode_positions(c.pos, pb, c.start, c.stop, c.count))
+                pos = pos.to(flat.device)
+                old = flat[pos].to(torch.int64)
+                new = decode_chunk(name, c, vb, old, dt, flat.device)
+                flat[pos] = new.to(dt.int_dtype)
+                got = fpr.update(got, name, pos, old, new, dt.itemsize)
             if undo is not None:
                 undo.append(lambda f=flat, p=pos, o=old: f.__setitem__(p, o.to(f.dtype)))
-            got = fpr.update(got, name, pos, old, new, dt.itemsize)
     if fpr.fmt(got) != entry.target_fp:
         raise _fail(
             f"{name}: result fingerprint {fpr.fmt(got)} != {entry.target_fp} (corrupt patch?)"

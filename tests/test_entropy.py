@@ -334,3 +334,38 @@ def test_random_garbage_never_crashes():
 @given(st.binary(max_size=64), st.integers(0, 1000))
 def test_arbitrary_bytes_property(data, k):
     decode_or_stream_error(data, k)
+
+
+@pytest.mark.parametrize("n_ctx", [1, 3, 24])
+def test_token_coding_alone_round_trips_and_matches_streams(n_ctx):
+    """code_tokens/decode_tokens (the rANS part alone, for coder comparisons) round-trip, and
+    code the same bytes as the rANS part of a whole stream."""
+    rng = np.random.default_rng(n_ctx)
+    u = rng.geometric(0.2, size=20000).astype(np.uint64)
+    ctx = rng.integers(0, n_ctx, size=u.size).astype(np.uint8)
+    tok = entropy.tokenize(u)[0]
+    counts = np.bincount(ctx.astype(np.int64) * 256 + tok, minlength=n_ctx * 256)
+    freq = np.stack([entropy.normalize(c) for c in counts.reshape(n_ctx, 256)])
+    data = entropy.code_tokens(tok, ctx, freq)
+    np.testing.assert_array_equal(entropy.decode_tokens(data, ctx, freq), tok)
+    st = entropy.parse(encode(u, ctx, n_ctx), u.size)
+    assert st.rans.tobytes() == data
+    with pytest.raises(StreamError):
+        entropy.decode_tokens(data[:-1], ctx, freq)
+
+
+def test_normalize_caps_the_top_symbol_and_sums_exactly():
+    for counts in ([10**9] + [0] * 255, [10**9] + [1] * 255, list(range(256)), [1] * 256):
+        f = entropy.normalize(np.array(counts, dtype=np.int64))
+        assert int(f.sum()) == 1 << entropy.SCALE_BITS
+        assert ((f > 0) == (np.array(counts) > 0)).all() or (np.array(counts) == 0).any()
+        assert int(f.max()) <= (1 << entropy.SCALE_BITS) - (1 << entropy.SCALE_BITS >> 6)
+
+
+def test_repeated_symbol_in_a_table_is_rejected():
+    s = bytearray(encode(u64([1, 2, 3, 1, 2, 3] * 50)))
+    # first table: u16 count, then (u8 symbol, u16 freq) records; make record 2 repeat record 1
+    assert s[2] | s[3] << 8 >= 2
+    s[7] = s[4]
+    with pytest.raises(StreamError, match="frequency table"):
+        decode(bytes(s), 300)

@@ -732,3 +732,98 @@ def test_a_decompression_bomb_is_refused_before_decoding(tmp_path, monkeypatch):
         PatchReader(bomb)
     with pytest.raises(PatchError, match="decompression bomb"):
         apply({}, bomb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn,
+                                   torch.int64, torch.float64, torch.bool, torch.uint8])
+def test_fused_compare_equals_torch_compare_and_fingerprint_update(dtype):
+    """codec.compare's one numba pass = torch nonzero + gathers + fpr.update."""
+    from stitch_core.format import codec, dtypes
+    from stitch_core.format import fingerprint as fpr
+
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(4099, generator=g) * 8).to(dtype)
+    b = a.clone()
+    idx = torch.randperm(4099, generator=g)[:300]
+    b[idx] = (torch.randn(300, generator=g) * 8).to(dtype)
+    av, bv = dtypes.int_view(a), dtypes.int_view(b)
+    pos, old, new, delta = codec.compare(av, bv, 7, fpr.seed_of("w"))
+    want = torch.nonzero(av != bv).reshape(-1)
+    assert torch.equal(pos, want + 7)
+    assert torch.equal(old, av[want].to(torch.int64)) and torch.equal(new, bv[want].to(torch.int64))
+    itemsize = dtypes.info(dtype).itemsize
+    assert delta == fpr.update(0, "w", pos, old, new, itemsize)
+
+
+def _one_chunk(dtype, frac, span=3000):
+    from stitch_core.format import dtypes
+    from stitch_core.format.stp import PatchReader
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(span, generator=g).to(dtype)
+    new = base.clone()
+    k = max(1, int(frac * span))
+    idx = torch.randperm(span, generator=g)[:k]
+    nv = dtypes.int_view(new)  # flip low mantissa bits: every chosen element changes
+    nv[idx] ^= torch.randint(1, 8, (k,), generator=g).to(nv.dtype)
+    p = diff({"w": base}, {"w": new})
+    with PatchReader(p.data) as r:
+        (c,) = r.header.tensors[0].chunks
+        pb, vb = r.read_chunk(c)
+        pb, vb = bytes(pb), bytes(vb)
+    return base, new, c, pb, vb, dtypes.info(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize("frac", [0.01, 0.3, 1.0])
+def test_fused_apply_equals_stepwise_decode(dtype, frac):
+    """apply_cpu (both streams decoded and written in one kernel) = decode_positions +
+    decode_values + scatter, for gap, bitmap and `all` positions."""
+    from stitch_core.format import codec, dtypes
+
+    base, new, c, pb, vb, dt = _one_chunk(dtype, frac)
+    flat = dtypes.int_view(base.clone()).numpy()
+    ctx = codec.Context.from_list(c.ctx) if c.ctx else None
+    pos, old, _ = codec.apply_cpu(flat, c.pos, pb, c.val, ctx, vb, c.start, c.stop, c.count, dt, 1)
+    assert np.array_equal(flat, dtypes.int_view(new).numpy())
+    want = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
+    assert np.array_equal(pos, want)
+    assert np.array_equal(old, dtypes.int_view(base).numpy()[want])
+
+
+def test_fused_apply_writes_nothing_on_corrupt_streams():
+    from stitch_core.format import codec, dtypes
+
+    base, _, c, pb, vb, dt = _one_chunk(torch.bfloat16, 0.2)
+    ctx = codec.Context.from_list(c.ctx) if c.ctx else None
+    before = dtypes.int_view(base).numpy().copy()
+    rng = np.random.default_rng(0)
+    fails = 0
+    for trial in range(200):
+        p2, v2 = bytearray(pb), bytearray(vb)
+        buf = v2 if trial % 2 else p2
+        buf[int(rng.integers(0, len(buf)))] ^= 1 << int(rng.integers(0, 8))
+        flat = before.copy()
+        try:
+            codec.apply_cpu(flat, c.pos, bytes(p2), c.val, ctx, bytes(v2), c.start, c.stop,
+                            c.count, dt, 1)
+        except codec.CodecError:
+            fails += 1
+            assert np.array_equal(flat, before)  # every write undone
+    assert fails > 100
+
+
+def test_fused_apply_undoes_its_writes_when_a_late_value_leaves_the_range():
+    """ulp deltas decoded fine but the last one overflows: the kernel has written the others
+    and must restore them."""
+    from stitch_core.format import codec, dtypes, entropy
+
+    dt = dtypes.info(torch.bfloat16)
+    flat = np.array([0, 1, 2, 0x7F7F, 4], dtype=np.int16)
+    before = flat.copy()
+    u = np.array([2, 2, 2, 2 * 0x200], dtype=np.uint64)  # +1 ulp, ..., then far past the top
+    pos = np.array([0, 1, 2, 3], dtype=np.int64)
+    pe, pb = codec.encode_positions(pos, 0, 5)
+    with pytest.raises(codec.CodecError, match="range"):
+        codec.apply_cpu(flat, pe, pb, "ulp", None, entropy.encode(u), 0, 5, 4, dt, 1)
+    assert np.array_equal(flat, before)

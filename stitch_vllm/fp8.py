@@ -12,8 +12,9 @@ Parameter has no ``load_row_parallel_weight``): neither the layout map nor a sna
 run through them.
 
 ``install_fp8_keeper()`` (run in every vLLM process by the plugin, before the model loads) wraps
-``Fp8LinearMethod.process_weights_after_loading``. Around the original it keeps the layer's
-loader-format parameters and compares what the kernel left:
+``Fp8LinearMethod.process_weights_after_loading``, when vLLM imports its FP8 module (an import
+hook: that import takes seconds, and an engine without an FP8 model never makes it). Around the
+original it keeps the layer's loader-format parameters and compares what the kernel left:
 
 * **the same storage, shape, strides and dtype** for every kept parameter (the kernel only
   re-wrapped them: the Stitch dev stand-in, ``BlockWiseTorchFP8ScaledMMLinearKernel``, Triton,
@@ -21,16 +22,18 @@ loader-format parameters and compares what the kernel left:
   ``_stitch_masters``. They *are* the kernel's tensors (no copy); the layout map learns through
   their loaders, patches write them, the sums read them, so what is proven is what the kernel
   reads;
-* **anything else** (packed, transposed, re-quantised, padded: vLLM's CPU AMX kernels, DeepGEMM's
-  UE8M0 requant, Marlin's repack): the kept parameters stay on the layer as masters (one extra
-  copy of the layer's FP8 weights) and the kernel's state is registered as a derived copy
-  (``stitch_core.engine.derived``, kind ``fp8:<kernel class>``) rebuilt by re-running the same
-  post-load step from the masters whenever a patch writes either of them (a scale and every
-  code it scales are one layer: a scale patch rebuilds the whole layer), and proven current by
-  its stamp.
+* **anything else** (packed, transposed, re-laid out, padded: vLLM's CPU AMX kernels, Marlin's
+  repack, DeepGEMM's scale layout with ``VLLM_USE_DEEP_GEMM_E8M0=0``): the kept parameters stay
+  on the layer as masters (one extra copy of the layer's FP8 weights) and the kernel's state is
+  registered as a derived copy (``stitch_core.engine.derived``, kind ``fp8:<kernel class>``),
+  rebuilt by re-running the same post-load step from the masters whenever a patch writes either
+  of them (a scale and every code it scales are one layer: a scale patch rebuilds the whole
+  layer), and proven current by its stamp.
 
 Refused at start-up: a post-load step that writes into the loader-format tensors themselves
-(ROCm's fnuz normalisation: the start-up proof fails, naming the tensors) and FP8 MoE layers
+(DeepGEMM's UE8M0 requant, vLLM's default wherever DeepGEMM runs; ROCm's fnuz branch for UE8M0
+scales: the masters no longer hold the published view, the start-up proof fails naming the
+tensors) and FP8 MoE layers
 (``Fp8MoEMethod``, not kept here: their loaders fail on the re-registered parameters, and the
 layout learning names the group and the parameter).
 """
@@ -38,6 +41,8 @@ layout learning names the group and the parameter).
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import sys
 
 import torch
 
@@ -45,6 +50,7 @@ from stitch_core.engine import derived
 
 __all__ = ["install_fp8_keeper", "kernel_names", "FP8_PARAMS"]
 
+FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
 FP8_PARAMS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
 _ORIG = None
 
@@ -55,15 +61,50 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def install_fp8_keeper() -> bool:
-    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` (idempotent); False without it."""
+    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` (idempotent): now if vLLM's FP8
+    module is imported, else as soon as it is (importing it costs seconds, and most engines
+    never load an FP8 model). True once wrapped."""
+    mod = sys.modules.get(FP8_MODULE)
+    if mod is not None:
+        _wrap(mod.Fp8LinearMethod)
+        return True
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+    return False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds vLLM's FP8 module through the other finders and wraps its method once loaded."""
+
+    def find_spec(self, name, path, target=None):
+        if name != FP8_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _wrap(module.Fp8LinearMethod)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _wrap(cls) -> None:
     global _ORIG
     if _ORIG is not None:
-        return True
-    try:
-        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-    except ImportError:  # pragma: no cover - vLLM without FP8 support
-        return False
-    orig = Fp8LinearMethod.process_weights_after_loading
+        return
+    orig = cls.process_weights_after_loading
     _ORIG = orig
 
     def process_weights_after_loading(self, layer):
@@ -82,8 +123,7 @@ def install_fp8_keeper() -> bool:
                          functools.partial(_rebuild, self, layer))
 
     process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
-    Fp8LinearMethod.process_weights_after_loading = process_weights_after_loading
-    return True
+    cls.process_weights_after_loading = process_weights_after_loading
 
 
 def _rebuild(method, layer: torch.nn.Module) -> None:

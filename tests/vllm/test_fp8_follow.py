@@ -56,11 +56,11 @@ SCALED = [("model.layers.0.self_attn.q_proj.weight", 0, 0),  # a full 128x128 bl
 TAMPERED = "model.layers.1.mlp.down_proj.weight_scale_inv"
 
 
-def fp8_model(root):
-    """A tiny Llama (2 layers, 4 query / 2 KV heads of 64, hidden 320, intermediate 384, untied
-    lm_head kept bf16 by the view) as fp32 masters, and its directory (config, tokenizer)."""
-    d = build_tiny_model(root / "model", arch="llama", hidden_size=256, intermediate_size=INTER,
-                         num_heads=4, num_kv_heads=2, vocab_size=500)
+def fp8_model(root, kv_heads: int = 2, inter: int = INTER):
+    """A tiny Llama (2 layers, 4 query / `kv_heads` KV heads of 64, hidden 320, intermediate
+    `inter`, untied lm_head kept bf16 by the view) as fp32 masters, and its directory."""
+    d = build_tiny_model(root / "model", arch="llama", hidden_size=256, intermediate_size=inter,
+                         num_heads=4, num_kv_heads=kv_heads, vocab_size=500)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(hidden_size=HIDDEN, head_dim=HEAD_DIM)
     (d / "config.json").write_text(json.dumps(cfg, indent=2))

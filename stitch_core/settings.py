@@ -206,6 +206,11 @@ class Settings(BaseModel):
         "next may start (429 meanwhile); 0: no limit"))
     sglang: bool = Field(True, description=(
         "SGLang only: false switches the plugin off in every process (a plain SGLang server)"))
+    dev_fp8_kernel: Literal["standin", "auto", "standin-packed"] | None = Field(None, description=(
+        "tests only, vLLM on the CPU: the dev stand-in FP8 block kernel (`stitch_dev.fp8_kernel`, "
+        "not in the wheel; needs the source tree on the engine's path): `standin` always, "
+        "`auto` only where vLLM has no FP8 kernel, `standin-packed` the stand-in with a packed "
+        "copy; `/stitch/status` names the kernel that serves (see \"FP8 engines\")"))
     failpoints: str | None = Field(None, description=(
         "tests and chaos drills only (`stitch_core.failpoints`), comma-separated: `1`: ranks "
         "accept failpoints and the server adds `POST /stitch/debug/arm` (see \"Fault drills\"); "

@@ -73,11 +73,24 @@ def register() -> None:
 def install_dev_fp8_kernel() -> str | None:
     """Tests only: the dev stand-in FP8 block-scaled kernel (``stitch_dev.fp8_kernel``), which
     adds itself to vLLM's CPU kernel list when its variable STITCH_DEV_FP8_KERNEL is set
-    (``standin`` or ``auto``). stitch_dev is not in the wheel: without the source tree on the
-    path nothing is installed (and the variable does nothing: vLLM chooses its own FP8 kernels).
+    (``standin``, ``auto`` or ``standin-packed``; read through ``stitch_core.settings``).
+    stitch_dev is not in the wheel: without the source tree on the path a warning says so and
+    vLLM chooses its own FP8 kernels.
     The mode installed, or None."""
+    from stitch_core.settings import Settings, SettingsError
+
+    try:
+        mode = Settings.read("dev_fp8_kernel")
+    except SettingsError as e:
+        log.warning("stitch: %s; no FP8 stand-in installed", e)
+        return None
+    if not mode:
+        return None
     try:
         from stitch_dev import fp8_kernel
     except ImportError:  # the wheel alone
+        log.warning("stitch: STITCH_DEV_FP8_KERNEL=%s needs stitch_dev (the source tree) on the "
+                    "engine's path; it is not in the wheel: vLLM chooses its own FP8 kernels",
+                    mode)
         return None
-    return fp8_kernel.install()
+    return fp8_kernel.install(mode)

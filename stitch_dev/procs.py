@@ -74,7 +74,28 @@ def vllm_env(base: Mapping[str, str], tp: int = 1, **stitch: str) -> dict[str, s
                    str(i % (os.cpu_count() or 1)) for i in range(tp)))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(stitch_env(**stitch))
+    if env.get("STITCH_DEV_FP8_KERNEL"):  # the stand-in lives in stitch_dev (not in the wheel)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (dev_plugin_path(), env.get("PYTHONPATH")) if p)
     return env
+
+
+def dev_plugin_path() -> str:
+    """A directory holding only `stitch_dev` (a symlink to this package), for an engine's
+    PYTHONPATH: dev-only code the plugin imports (STITCH_DEV_FP8_KERNEL) becomes importable while
+    stitch_core and the plugins still come from the installed wheel."""
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    d = Path(tempfile.gettempdir()) / f"stitch-dev-path-{os.getuid()}-{key}"
+    link = d / "stitch_dev"
+    if not link.exists():
+        d.mkdir(mode=0o700, exist_ok=True)
+        tmp = d / f".stitch_dev.{os.getpid()}"
+        tmp.symlink_to(ROOT / "stitch_dev", target_is_directory=True)
+        os.replace(tmp, link)
+    return str(d)
 
 
 def stitch_env(**stitch: object) -> dict[str, str]:

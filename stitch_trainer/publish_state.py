@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
+from stitch_core.versions.board.local import fsync_dir
 from stitch_core.versions.manifest import Manifest, check_run
 
 __all__ = ["STATE_DIR", "Loaded", "PendingState", "begin", "load", "state_dir"]
@@ -218,7 +219,7 @@ class PendingState:
                     os.fsync(f.fileno())
                 os.replace(tmp, self.dir / STATE_FILE)  # the commit point
                 committed = True
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 _drop_others(self.dir, keep=self._file.name)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -251,14 +252,6 @@ def _locked(d: Path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

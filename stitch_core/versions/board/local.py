@@ -30,7 +30,7 @@ from stitch_core.versions.board.base import (
 from stitch_core.versions.manifest import MAX_LATEST_BYTES, Latest, check_run, latest_key
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
     """fsync a directory: the entries made in it (links, renames, new directories) are durable."""
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -61,7 +61,7 @@ def _makedirs(d: Path) -> None:
         except FileExistsError:  # made meanwhile by another writer (fsynced again: cheap)
             if not p.is_dir():
                 raise
-        _fsync_dir(p.parent)
+        fsync_dir(p.parent)
 
 
 def _same_content(path: Path, src: bytes | Path) -> bool:
@@ -123,7 +123,7 @@ class LocalBoard(Board):
         if path.exists():
             if _same_content(path, src):
                 _fsync_file(path)  # a retry after a crash: durable before we say so
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
                 return
             raise BoardError(f"{key} already exists with other content (versions are immutable)")
         _makedirs(path.parent)
@@ -143,11 +143,11 @@ class LocalBoard(Board):
             except FileExistsError:
                 if _same_content(path, src):
                     _fsync_file(path)
-                    _fsync_dir(path.parent)
+                    fsync_dir(path.parent)
                     return
                 raise BoardError(f"{key} already exists with other content: another writer "
                                  "stored it first (versions are immutable)") from None
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -163,7 +163,7 @@ class LocalBoard(Board):
             path.unlink()
         except FileNotFoundError:
             return
-        _fsync_dir(path.parent)  # gone for good before the caller deletes what it lists
+        fsync_dir(path.parent)  # gone for good before the caller deletes what it lists
         with contextlib.suppress(OSError):  # the version directory, once empty
             path.parent.rmdir()
 
@@ -196,7 +196,7 @@ class LocalBoard(Board):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(name, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
     async def move_latest(self, run: str, expected: int | None, new: Latest) -> None:
         check_run(run)

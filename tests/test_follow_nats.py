@@ -139,11 +139,13 @@ async def test_follower_over_http_board(stack):
         url = f"http://127.0.0.1:{server.server_address[1]}"
         rep = MemoryReplica()
         f = Follower(url, run, rep, nats=nats, cache_dir=tmp / "h", reconcile_interval=3600)
-        await f.start()
+        # bounded: a hang here (seen once in a full run, not reproduced alone) fails, with the
+        # step it hung in, instead of stopping the suite
+        await asyncio.wait_for(f.start(), 60)
         assert await f.wait_for(2, 20) and same(rep, t.views[2])
         v = await asyncio.to_thread(t.step)
         assert await f.wait_for(v, 20) and same(rep, t.views[v])
-        await f.stop()
+        await asyncio.wait_for(f.stop(), 60)
     finally:
         server.shutdown()
 

@@ -61,13 +61,27 @@ MAX_HINTS = 4096  # announced versions remembered (for announce -> current timin
 Health = Literal["ok", "degraded", "dead"]
 
 
-async def cancel_all(tasks: list[asyncio.Task]) -> None:
-    """Cancel `tasks`, wait for each to end (whatever it raised) and empty the list."""
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await t
+async def cancel_all(tasks: list[asyncio.Task], rounds: int = 5, wait: float = 2.0) -> None:
+    """Cancel `tasks`, wait for each to end (whatever it raised) and empty the list.
+
+    Bounded and repeated: on Python < 3.12 `asyncio.wait_for` (ours and nats-py's) can swallow a
+    cancellation that races its inner future's completion, so a loop may outlive one cancel.
+    Each round cancels what is still running again; after `rounds` rounds whatever is left is
+    logged and abandoned, so a stop never hangs."""
+    pending = [t for t in tasks if not t.done()]
+    for _ in range(rounds):
+        if not pending:
+            break
+        for t in pending:
+            t.cancel()
+        _, still = await asyncio.wait(pending, timeout=wait)
+        pending = list(still)
+    for t in tasks:  # retrieve results so none is reported as never retrieved
+        if t.done() and not t.cancelled():
+            t.exception()
+    if pending:
+        log.warning("%d task(s) did not end on cancel: %s", len(pending),
+                    ", ".join(t.get_name() for t in pending))
     tasks.clear()
 
 
@@ -129,6 +143,7 @@ class Follower:
         self._beat = asyncio.Event()  # set on every state change: heartbeat now
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
         self._nc = self._js = self._sub = None
         self._lock = asyncio.Lock()
 
@@ -217,7 +232,7 @@ class Follower:
         from stitch_core.versions.nats_conn import connect
         from stitch_core.versions.streams import ensure_streams
 
-        while True:
+        while not self._stopping:
             try:
                 self._nc = await connect(self.nats_url, name=f"stitch-follower-{self.id}")
                 self._js = self._nc.jetstream()
@@ -233,13 +248,15 @@ class Follower:
                 self._nc = self._js = self._sub = None
                 await asyncio.sleep(backoff)
                 backoff = min(cap, backoff * 2)
+        if self._stopping:
+            return
         log.info("follower %s: following %s announcements on NATS %s", self.id, self.run,
                  self.nats_url)
         self._wake.set()  # something may have been announced while NATS was down
         await self._heartbeats()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
-        if task.cancelled():
+        if task.cancelled() or self._stopping:
             return  # stop()
         err = task.exception() or RuntimeError("follow loop returned")
         self.dead = f"follow loop ended: {type(err).__name__}: {err}"
@@ -249,18 +266,20 @@ class Follower:
             self.on_dead(err)
 
     async def stop(self) -> None:
+        self._stopping = True  # the loops check it too: a swallowed cancel ends them anyway
         await cancel_all(self._tasks)
         self._cache_use.close()
         if self._sub is not None:  # before draining, or the ordered consumer tries to recreate
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await asyncio.wait_for(self._sub.unsubscribe(), 5.0)
         if self._nc is not None:  # bounded: a connection stuck reconnecting must not hang stop
             try:
                 await asyncio.wait_for(self._nc.drain(), 5.0)
             except Exception:  # noqa: BLE001 - timed out or already broken: just close
                 with contextlib.suppress(Exception):
-                    await self._nc.close()
-        await self.board.close()
+                    await asyncio.wait_for(self._nc.close(), 5.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.board.close(), 5.0)
 
     async def __aenter__(self) -> Follower:
         await self.start()
@@ -287,7 +306,7 @@ class Follower:
         self._wake.set()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.sync()  # woken (a hint) or a timer tick: what the board says
             except Exception as e:  # keep following; the next tick retries
@@ -306,7 +325,7 @@ class Follower:
     async def _heartbeats(self) -> None:
         from stitch_core.versions.announce import publish_heartbeat
 
-        while True:
+        while not self._stopping:
             with contextlib.suppress(Exception):
                 await publish_heartbeat(self._js, Heartbeat(
                     id=self.id, run=self.run, url=self.url, version=self.version,

@@ -141,7 +141,7 @@ FRESH = textwrap.dedent("""
 
 def regenerate(root, jobs: list[tuple[str, list[tuple[list[int], int]]]]) -> list[dict]:
     """Greedy tokens and their logprobs from fresh engines: for each (model dir, [(prompt ids,
-    n)]), one engine on that directory."""
+    n)]), one engine on that directory; the answers in that order, flat."""
     out = root / "fresh.json"
     env = vllm_env(os.environ, 1)  # the server's CPU settings (threads decide reduction orders)
     subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs), str(out)], check=True,
@@ -179,10 +179,14 @@ def test_spans_mark_the_engine_steps_where_each_apply_took_effect(stack):
     for v in (v0, v1, v2):
         dirs[v] = root / f"fresh-v{v}"
         asyncio.run(pull(LocalBoard(root / "board"), RUN, v, dirs[v], root / "cache", quiet=True))
-    jobs = [(str(dirs[v]), [(PROMPT + s.tokens[:a], b - a + 1)]) for v, a, b in spans]
-    jobs += [(str(dirs[spans[k - 1][0]]), [(PROMPT + s.tokens[:spans[k][1]], 1)])
-             for k in (1, 2)]
-    fresh = regenerate(root, jobs)
+    wanted = [(str(dirs[v]), PROMPT + s.tokens[:a], b - a + 1) for v, a, b in spans]
+    wanted += [(str(dirs[spans[k - 1][0]]), PROMPT + s.tokens[:spans[k][1]], 1) for k in (1, 2)]
+    by_dir: dict[str, list] = {}  # one engine per version, every prompt of that version on it
+    for d, prompt, n in wanted:
+        by_dir.setdefault(d, []).append((prompt, n))
+    flat = iter(regenerate(root, list(by_dir.items())))
+    answers = {d: [next(flat) for _ in items] for d, items in by_dir.items()}
+    fresh = [answers[d].pop(0) for d, _, _ in wanted]
     for (v, a, b), got in zip(spans, fresh, strict=False):
         want = list(zip(s.tokens[a:b + 1], s.logprobs[a:b + 1], strict=True))
         have = list(zip(got["tokens"], got["logprobs"], strict=True))

@@ -3,8 +3,9 @@
 every apply, steps held) carried into the `stitch` field, across an apply that lands
 mid-generation by construction (the test holds SGLang's steps while it publishes); and, with the
 KV recomputed after the apply (STITCH_KV_AFTER_APPLY=recompute, the default: SGLang's retract
-pause, then a radix-cache flush), each span's tokens and logprobs regenerated bit for bit by
-fresh plain SGLang engines at that span's version.
+pause, then a radix-cache flush), each span's tokens and logprobs regenerated bit for bit by a
+plain SGLang engine (no plugin) at that span's version: started on the first version, the next
+loaded by SGLang's own loader (`/update_weights_from_disk`, cache flushed), one start for both.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _tokens(body: dict) -> list[tuple[int, float]]:
 
 def test_spans_regenerate_bit_exact_from_fresh_engines(follower, tmp_path):
     """An apply lands mid-generation: the answer's spans name v0 then v1; the tokens (and their
-    logprobs) of each span are what a fresh plain SGLang engine at that span's version generates
+    logprobs) of each span are what a plain SGLang engine at that span's version generates
     from the same prefix, bit for bit, and the first token of the v1 span has another logprob
     under v0 (so the boundary is where the new weights took effect, KV included)."""
     server, trainer, root, run = (follower[k] for k in ("server", "trainer", "root", "run"))
@@ -146,17 +147,22 @@ def test_spans_regenerate_bit_exact_from_fresh_engines(follower, tmp_path):
     a = spans[1][1]
     ids = [t for t, _ in got]
 
+    # the reference: a plain SGLang engine (no plugin) started on v0; v1 loaded by SGLang's own
+    # loader (/update_weights_from_disk, cache flushed), one start for both versions
     fresh = {}
-    for v, jobs in ((v0, [(PROMPT, a), (PROMPT + ids[:a], 1)]),
-                    (v1, [(PROMPT + ids[:a], N - a)])):
-        d = tmp_path / f"v{v}"
+    dirs = {v: tmp_path / f"v{v}" for v in (v0, v1)}
+    for v, d in dirs.items():
         asyncio.run(pull(LocalBoard(root / "board"), run, v, d, tmp_path / "cache", quiet=True))
-        eng = SglangServer(d, tmp_path / f"fresh-v{v}.log", plain=True)
-        try:
-            eng.wait_healthy()
+    eng = SglangServer(dirs[v0], tmp_path / "fresh.log", plain=True)
+    try:
+        eng.wait_healthy()
+        for v, jobs in ((v0, [(PROMPT, a), (PROMPT + ids[:a], 1)]),
+                        (v1, [(PROMPT + ids[:a], N - a)])):
+            if v != v0:
+                eng.load_weights(dirs[v])
             fresh[v] = [_tokens(_generate_ids(eng, p, n)) for p, n in jobs]
-        finally:
-            eng.stop()
+    finally:
+        eng.stop()
     for name, want, have in (("v0 span", got[:a], fresh[v0][0]),
                              ("v1 span", got[a:], fresh[v1][0])):
         first = next((i for i, (x, y) in enumerate(zip(want, have, strict=True)) if x != y),

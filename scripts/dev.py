@@ -11,8 +11,9 @@ points, a CLI round trip), and in each engine venv.
     python3 scripts/dev.py demo --engine sglang   # the engine part with SGLang (.venv-sglang)
     python3 scripts/dev.py demo --no-engine   # without the engine part (no engine venv)
     python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
-                                    # suite (main, then the vLLM suite in .venv-vllm, then SGLang
-                                    # in .venv-sglang)
+                                    # suite (main, then the vLLM suite in .venv-vllm and the
+                                    # SGLang suite in .venv-sglang side by side;
+                                    # STITCH_TEST_SERIAL=1: one after the other)
     python3 scripts/dev.py gpu-check [--device cpu] [--json] [--out FILE]   # core on a GPU
     python3 scripts/dev.py gpu-bundle DIR   # the wheels + check for a GPU machine without
                                             # a registry (docs/benchmarks.md, "GPU check")
@@ -28,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -357,11 +359,92 @@ def run_demo(cmd: list, env: dict[str, str]) -> int:
             continue
 
 
+_PRINT = threading.Lock()
+
+
+def suite(phases: Phases, name: str, tag: str, cmds: list[tuple[list, dict]],
+          failed: list[str]) -> None:
+    """Run `cmds` in order as phase `name`, each line of their output on stdout prefixed with
+    `[tag]` (two suites run side by side); a failure is recorded in `failed`, not raised."""
+    try:
+        with phases(name):
+            for cmd, env in cmds:
+                with _PRINT:
+                    print(f"[{tag}] + {' '.join(str(c) for c in cmd)}", flush=True)
+                p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     errors="replace")
+                assert p.stdout is not None
+                for line in p.stdout:
+                    with _PRINT:
+                        print(f"[{tag}] {line.rstrip()}", flush=True)
+                if p.wait():
+                    raise subprocess.CalledProcessError(p.returncode, cmd)
+    except BaseException as e:  # noqa: BLE001 - reported with the other suite's result
+        with _PRINT:
+            print(f"[{tag}] {name} FAILED: {e}", flush=True)
+        failed.append(name)
+
+
+def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
+    """The vLLM and the SGLang suite, side by side (each engine suite waits on engine start-ups
+    and single-threaded Python most of its time, so two share the cores well): each runs its
+    wheel check, then the engine scenarios of tests/engines for its engine (STITCH_ENGINE), then
+    its own directory. STITCH_TEST_SERIAL=1 runs them one after the other."""
+    verbose = ["-v"] if os.environ.get("STITCH_TEST_SERIAL") != "1" else ["-q"]
+
+    def basetemp(tag: str) -> str:  # a pytest tmp root each: neither cleans up the other's
+        return str(Path(tempfile.gettempdir()) / f"stitch-test-{os.getuid()}-{tag}")
+
+    vllm_env = dict(env, STITCH_ENGINE="vllm", STITCH_REQUIRE_VLLM="1",
+                    PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    # the cross-engine test starts a vLLM server with the vLLM venv's python
+    sglang_env = dict(env, STITCH_ENGINE="sglang", STITCH_REQUIRE_SGLANG="1",
+                      STITCH_REQUIRE_VLLM="1", STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"),
+                      PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    vpy, spy = VLLM_VENV / "bin" / "python", SGLANG_VENV / "bin" / "python"
+    check = ROOT / "scripts" / "wheel_check.py"
+    stub = dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "sglang" / "stub"))
+    failed: list[str] = []
+    runs = [
+        ("vLLM venv", "vLLM suite", "vllm", [
+            ([vpy, check, "--engine", "vllm"], dict(os.environ)),
+            ([vpy, "-m", "pytest", *verbose, "--basetemp", basetemp("vllm"), "tests/engines",
+              "tests/vllm"], vllm_env)]),
+        ("SGLang venv", "SGLang suite", "sglang", [
+            ([spy, check, "--engine", "sglang"], stub),
+            ([spy, "-m", "pytest", *verbose, "--basetemp", basetemp("sglang"), "tests/engines",
+              "tests/sglang"], sglang_env)]),
+    ]
+
+    def one(venv: str, name: str, tag: str, cmds: list[tuple[list, dict]]) -> None:
+        try:
+            bg.wait(venv)
+        except subprocess.CalledProcessError:
+            failed.append(name)
+            return
+        suite(phases, name, tag, cmds, failed)
+
+    if os.environ.get("STITCH_TEST_SERIAL") == "1":
+        for r in runs:
+            one(*r)
+    else:
+        threads = [threading.Thread(target=one, args=r, name=r[1]) for r in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if failed:
+        print(f"failed: {', '.join(failed)} (the lines of each suite are prefixed with its "
+              "name: [vllm], [sglang])", file=sys.stderr, flush=True)
+        raise subprocess.CalledProcessError(1, failed)
+
+
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint, the wheel check and the main suite in the foreground while the engine venvs build
-    in the background (niced); then the vLLM suite, then the SGLang suite: each runs the engine
-    scenarios of tests/engines for its engine (STITCH_ENGINE), then its own directory. A table of
-    the phases' wall times ends the output, also when a phase failed."""
+    in the background (niced); then the vLLM and the SGLang suites side by side
+    (engine_suites). A table of the phases' wall times ends the output, also when a phase
+    failed."""
     bg = Background(phases, ROOT / ".venv-builds.log",
                     [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang)])
     wheel()  # built once, before the builds that install it start
@@ -376,27 +459,7 @@ def test(env: dict[str, str], phases: Phases) -> int:
         with phases("main suite"):
             run(PY, "-m", "pytest", "-q", "--ignore=tests/engines", "--ignore=tests/vllm",
                 "--ignore=tests/sglang", *sys.argv[2:], env=env)
-        bg.wait("vLLM venv")
-        with phases("vLLM suite"):
-            run(VLLM_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
-                "vllm")
-            # the engine scenarios (tests/engines, shared with SGLang) on vLLM, then vLLM's own
-            venv_env = dict(env, STITCH_ENGINE="vllm", STITCH_REQUIRE_VLLM="1",
-                            PATH=f"{VLLM_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-            run(VLLM_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/engines", "tests/vllm",
-                env=venv_env)
-        bg.wait("SGLang venv")
-        with phases("SGLang suite"):
-            run(SGLANG_VENV / "bin" / "python", ROOT / "scripts" / "wheel_check.py", "--engine",
-                "sglang", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "sglang" / "stub")))
-            # the cross-engine test starts a vLLM server with the vLLM venv's python
-            sglang_env = dict(
-                env, PATH=f"{SGLANG_VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                STITCH_ENGINE="sglang", STITCH_REQUIRE_SGLANG="1", STITCH_REQUIRE_VLLM="1",
-                STITCH_VLLM_PYTHON=str(VLLM_VENV / "bin" / "python"))
-            # the engine scenarios (tests/engines, shared with vLLM) on SGLang, then SGLang's own
-            run(SGLANG_VENV / "bin" / "python", "-m", "pytest", "-q", "tests/engines",
-                "tests/sglang", env=sglang_env)
+        engine_suites(env, phases, bg)
     finally:
         print(phases.table(), flush=True)
         sys.stdout.flush()

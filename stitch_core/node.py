@@ -208,7 +208,7 @@ class EngineFollower:
         return await self.coord.verify()
 
     async def stop(self) -> None:
-        from stitch_core.versions.follower import cancel_all
+        from stitch_core.versions.tasks import cancel_all
 
         await cancel_all(self._tasks)
         if self.follower is not None:

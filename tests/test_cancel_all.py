@@ -1,11 +1,12 @@
-"""`cancel_all` ends a task that swallows a cancellation (as `asyncio.wait_for` can on
-Python < 3.12 when the cancel races its inner future) and never hangs on one that never ends."""
+"""`stitch_core.versions.tasks.cancel_all` ends a task that swallows a cancellation (as
+`asyncio.wait_for` can on Python < 3.12 when the cancel races its inner future) and never hangs on
+one that never ends."""
 import asyncio
 import contextlib
 
 import pytest
 
-from stitch_core.versions.follower import cancel_all
+from stitch_core.versions.tasks import cancel_all
 
 
 @pytest.mark.asyncio

@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -73,9 +72,9 @@ async def test_announcements_drive_a_live_follower(stack):
     assert await f.wait_for(0, 20)
     for _ in range(7):
         v = await asyncio.to_thread(t.step)
-        t0 = time.perf_counter()
+        # within 20 s, with an hour's reconcile timer: the announcement moved it (a timing
+        # bound tighter than that only measures the machine's load)
         assert await f.wait_for(v, 20), f"follower stuck at {f.version}, wanted {v}"
-        assert time.perf_counter() - t0 < 10
         assert same(rep, t.views[v])
     assert f.applied == list(range(8))  # every version in order, never skipping a patch
     assert f.state == "serving" and f.lag == 0

@@ -55,6 +55,7 @@ from stitch_core.serve.routing import (
 from stitch_core.settings import MAX_BODY_BYTES, env_name
 from stitch_core.versions import announce, nats_conn, streams
 from stitch_core.versions.manifest import GatewayHeartbeat, Heartbeat, check_run
+from stitch_core.versions.tasks import cancel_all
 
 log = logging.getLogger("stitch.gateway")
 
@@ -141,16 +142,10 @@ class Gateway:
                  len(self.table.live()))
 
     async def stop(self) -> None:
-        # bounded: on Python < 3.12 a cancellation can be swallowed inside nats-py's
-        # wait_for, so a loop may outlive one cancel (it also checks `_stopping`)
+        # bounded (cancel_all): on Python < 3.12 a cancellation can be swallowed inside
+        # nats-py's wait_for, so a loop may outlive one cancel (it also checks `_stopping`)
         self._stopping = True
-        for _ in range(3):
-            for t in self._tasks:
-                t.cancel()
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=2.0)
-            self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.clear()
+        await cancel_all(self._tasks, rounds=3)
         nc, self._nc = self._nc, None
         if nc is not None:  # only a plain subscription: nothing to drain
             with contextlib.suppress(Exception):

@@ -211,6 +211,11 @@ class Settings(BaseModel):
         "not in the wheel; needs the source tree on the engine's path): `standin` always, "
         "`auto` only where vLLM has no FP8 kernel, `standin-packed` the stand-in with a packed "
         "copy; `/stitch/status` names the kernel that serves (see \"FP8 engines\")"))
+    dev_host_alloc: Literal["plain"] | None = Field(None, description=(
+        "tests only, SGLang on a host without a GPU driver: `plain` has SGLang allocate its "
+        "pinned host buffers (the routed-experts capture's) with plain `torch.empty` instead "
+        "of `cudaHostRegister` (`stitch_dev.host_alloc`, not in the wheel; needs the source "
+        "tree on the engine's path; installed whatever `STITCH_SGLANG` says, logged)"))
     failpoints: str | None = Field(None, description=(
         "tests and chaos drills only (`stitch_core.failpoints`), comma-separated: `1`: ranks "
         "accept failpoints and the server adds `POST /stitch/debug/arm` (see \"Fault drills\"); "

@@ -7,6 +7,10 @@ failing plugin and carries on without it, so this function logs what it did at W
 * every process: the two request types of the Stitch RPC (`stitch_sglang.worker`) join SGLang's
   IPC decoder, and an AFTER hook on `Scheduler.init_request_dispatcher` routes them to a
   `RankReplica` on every TP rank;
+* the child processes (the schedulers): the routed-experts hooks of `stitch_sglang.routed`
+  (each routing row returned is the one of its position's first forward, across retracts);
+* every process, first and whatever STITCH_SGLANG says, tests only: the dev host allocator when
+  STITCH_DEV_HOST_ALLOC is set (`install_dev_host_alloc`);
 * the main process only (`multiprocessing.parent_process() is None`; registering there imports
   the HTTP server module): a BEFORE hook on `http_server._setup_and_run_http_server` adds
   `stitch_sglang.server.StitchMiddleware` to SGLang's app, and an AROUND hook on
@@ -41,7 +45,9 @@ def enabled(env: dict[str, str] | None = None) -> bool:
 
 def register() -> None:
     """Register the Stitch RPC types and hooks with SGLang (see the module doc); nothing when the
-    plugin is off or SGLang lacks the plugin API."""
+    plugin is off or SGLang lacks the plugin API (the dev host allocator is installed first,
+    whatever STITCH_SGLANG says: plain engines need it too)."""
+    install_dev_host_alloc()
     if not enabled():
         if multiprocessing.parent_process() is None:  # once per server, not per rank
             log.warning("stitch: STITCH_SGLANG is off: the Stitch plugin is off")
@@ -50,15 +56,47 @@ def register() -> None:
         from sglang.srt.managers import io_struct
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        from .routed import routed_hooks
         from .worker import StitchCallReqInput, StitchCallReqOutput, install_handler
     except Exception:
         log.exception("stitch: SGLang's plugin API is not available; the Stitch plugin is off")
         return
     io_struct.hook_custom_types(StitchCallReqInput, StitchCallReqOutput)
     HookRegistry.register(SCHEDULER_HOOK, install_handler, HookType.AFTER)
-    if multiprocessing.parent_process() is None:  # SGLang spawns its schedulers as children
+    if multiprocessing.parent_process() is not None:  # a scheduler (or the detokenizer)
+        for target, hook, kind in routed_hooks():  # routed experts: first-forward rows kept
+            HookRegistry.register(target, hook, getattr(HookType, kind))
+    else:  # SGLang spawns its schedulers as children
         HookRegistry.register(HTTP_HOOK, _before_http_server, HookType.BEFORE)
         HookRegistry.register(WARMUP_HOOK, _around_warmup, HookType.AROUND)
+
+
+def install_dev_host_alloc(env: dict[str, str] | None = None) -> str | None:
+    """Tests only: SGLang's CPU host buffers (the routed-experts capture's) allocated without
+    `cudaHostRegister` (`stitch_dev.host_alloc`) when STITCH_DEV_HOST_ALLOC is set (`plain`; read
+    through `stitch_core.settings`). stitch_dev is not in the wheel: without the source tree on
+    the path a warning says so and SGLang keeps its allocator. The allocator installed, or None."""
+    from stitch_core.settings import Settings, SettingsError
+
+    try:
+        mode = Settings.read("dev_host_alloc", env)
+    except SettingsError as e:
+        log.warning("stitch: %s; SGLang keeps its host allocator", e)
+        return None
+    if not mode:
+        return None
+    try:
+        from stitch_dev import host_alloc
+    except ImportError:  # the wheel alone
+        log.warning("stitch: STITCH_DEV_HOST_ALLOC=%s needs stitch_dev (the source tree) on the "
+                    "engine's path; it is not in the wheel: SGLang keeps its host allocator "
+                    "(cudaHostRegister)", mode)
+        return None
+    try:
+        return host_alloc.install(mode)
+    except Exception:
+        log.exception("stitch: the dev host allocator was not installed")
+        return None
 
 
 # stitch_sglang.server (stitch_core's gate, hence prometheus_client) is imported only when the

@@ -304,3 +304,86 @@ def parse_not_ready(body: Mapping[str, Any]) -> NotReadyBody | None:
     if isinstance(err, Mapping) and err.get("type") == NOT_READY_TYPE:
         return NotReadyBody.model_validate(err)
     return None
+
+
+# Client side: routed experts (routing replay, R3) and the versions that produced them.
+# docs/rl.md "Routing replay (R3)". Row p of a payload is position `first_position + p`; a
+# position is computed first by the forward that samples the token after it, so its row belongs
+# to output token `max(0, position - prompt_len + 1)` and to that token's version.
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+class RoutedExpertsError(StitchError, ValueError):
+    """A routed-experts payload that cannot be decoded or aligned."""
+
+
+def decode_routed_experts(value: str, layers: int | None = None,
+                          top_k: int | None = None) -> Any:
+    """An engine's base64 routed-experts payload as a numpy int array ``(rows, layers, top_k)``.
+
+    vLLM (``choices[i].routed_experts``): base64 of ``.npy`` bytes, which carry their own shape.
+    SGLang (``meta_info.routed_experts``): base64 of raw int32, reshaped with `layers` and
+    `top_k` (both required for it; SGLang's model config: ``num_hidden_layers``,
+    ``num_experts_per_tok``)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (ValueError, TypeError) as e:
+        raise RoutedExpertsError(f"routed experts: not base64 ({e})") from None
+    if raw.startswith(NPY_MAGIC):
+        arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        if arr.ndim != 3 or (layers is not None and arr.shape[1] != layers) or (
+                top_k is not None and arr.shape[2] != top_k):
+            raise RoutedExpertsError(f"routed experts: shape {arr.shape}, expected "
+                                     f"(rows, {layers}, {top_k})")
+        return arr
+    if layers is None or top_k is None:
+        raise RoutedExpertsError("routed experts: raw int32 (SGLang) needs layers and top_k")
+    if layers <= 0 or top_k <= 0 or len(raw) % (4 * layers * top_k):
+        raise RoutedExpertsError(f"routed experts: {len(raw)} bytes are no whole rows of "
+                                 f"{layers} x {top_k} int32")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, top_k)
+
+
+def routing_row_token(position: int, prompt_len: int) -> int:
+    """The output token whose sampling forward computes `position` first: the prompt's
+    positions and its last one are forwarded by the prefill that samples token 0."""
+    if position < 0 or prompt_len <= 0:
+        raise RoutedExpertsError(f"position {position}, prompt of {prompt_len} tokens")
+    return max(0, position - prompt_len + 1)
+
+
+def routing_versions(version_spans: Iterable[Iterable[int]], prompt_len: int, rows: int,
+                     first_position: int = 0) -> list[int]:
+    """The version whose forward produced each of `rows` routing rows (row i: position
+    ``first_position + i``; SGLang's ``routed_experts_start_len``), from the output's
+    ``version_spans``. A payload of a finished output has ``prompt_len + tokens - 1 -
+    first_position`` rows; more than the spans cover raises."""
+    tv = spans.token_versions([tuple(s) for s in version_spans])  # type: ignore[misc]
+    out = []
+    for i in range(rows):
+        j = routing_row_token(first_position + i, prompt_len)
+        if j >= len(tv):
+            raise RoutedExpertsError(f"routing row {i} (position {first_position + i}) belongs "
+                                     f"to token {j}; the spans cover {len(tv)} tokens")
+        out.append(tv[j])
+    return out
+
+
+def routing_spans(version_spans: Iterable[Iterable[int]], prompt_len: int,
+                  first_position: int = 0) -> list[Span]:
+    """Per span, the routing rows it owns: ``(version, first_row, last_row)`` (rows counted from
+    `first_position`); spans that own no row (before `first_position`) are left out."""
+    out: list[Span] = []
+    for v, a, b in spans.check([tuple(s) for s in version_spans]):  # type: ignore[misc]
+        lo = 0 if a == 0 else prompt_len - 1 + a
+        hi = prompt_len - 1 + b
+        lo, hi = max(lo, first_position) - first_position, hi - first_position
+        if hi >= lo:
+            out.append((v, lo, hi))
+    return out

@@ -22,7 +22,7 @@ from stitch_core.format.patch import diff
 from stitch_core.format.views import parse_view, project
 
 from ..publisher import named_tensors
-from .estimate import RULE, predict
+from .estimate import RULE, predict, predict_offsets
 from .groups import FIELDS, empty_counts, fractions, group_fractions, group_of, summary
 
 CORPUS = """\
@@ -218,13 +218,17 @@ def analyze_training(
         with torch.no_grad():
             view_new = project(new, v, previous=prev_view)
             guess: dict[str, tuple[int, float]] = {}
+            guess_o: dict[str, float] = {}
             for n, t in new.items():
                 if t.is_floating_point():
                     guess.update(predict(n, old[n], t, prev_view, v))
+                    guess_o.update(predict_offsets(n, old[n], t, prev_view, v))
         patch = diff(_cpu(prev_view), _cpu(view_new), view=v.name)
         groups: dict[str, dict[str, float]] = {}
+        offs: dict[str, float] = {}
         for e in patch.header.tensors:
             c = groups.setdefault(group_of(e.name), empty_counts())
+            offs[group_of(e.name)] = offs.get(group_of(e.name), 0.0) + guess_o.get(e.name, 0.0)
             p, x = guess.get(e.name, (0, 0.0))
             for k, val in zip(FIELDS, (e.numel, e.changed, e.nbytes, p, x), strict=True):
                 c[k] += val
@@ -237,8 +241,8 @@ def analyze_training(
                 "step": step,
                 "loss": round(loss.item(), 5),
                 "patch_bytes": len(patch.data),
-                **fractions(total),
-                "groups": group_fractions(groups),
+                **_offsets(fractions(total), sum(offs.values())),
+                "groups": {g: _offsets(f, offs[g]) for g, f in group_fractions(groups).items()},
             }
         )
         if on_step is not None:
@@ -260,5 +264,26 @@ def analyze_training(
         **desc,
         "rule": RULE,
         "steps": rows,
-        "summary": summary(rows),
+        "summary": _summary_offsets(rows, summary(rows)),
     }
+
+
+def _offsets(row: dict, count: float) -> dict:
+    """A report row with the offset-aware estimate (`estimate.predict_offsets`) added."""
+    row["expected_offsets"] = round(count, 3)
+    row["expected_offsets_fraction"] = count / max(row["total_elements"], 1)
+    return row
+
+
+def _summary_offsets(rows: list[dict], summ: dict) -> dict:
+    """`groups.summary` plus each group's `expected_offsets_fraction` over all steps."""
+    acc: dict[str, list[float]] = {}
+    for r in rows:
+        for g, c in r["groups"].items():
+            for name in (g, "total"):
+                a = acc.setdefault(name, [0.0, 0])
+                a[0] += c["expected_offsets"]
+                a[1] += c["total_elements"]
+    for g, (count, n) in acc.items():
+        summ[g]["expected_offsets_fraction"] = count / max(n, 1)
+    return summ

@@ -28,14 +28,14 @@ def print_table(report: dict, out=None) -> None:
             print(f"note: {report['note']}", file=out)
         print(
             f"{'step':>5} {'loss':>9} {'changed %':>10} {'predicted %':>12} {'expected %':>11}"
-            f" {'patch bytes':>12}",
+            f" {'offsets %':>10} {'patch bytes':>12}",
             file=out,
         )
         for r in report["steps"]:
             print(
                 f"{r['step']:>5} {r['loss']:>9.4f} {_pct(r['changed_fraction']):>10} "
                 f"{_pct(r['predicted_fraction']):>12} {_pct(r['expected_fraction']):>11} "
-                f"{r['patch_bytes']:>12,}",
+                f"{_pct(r.get('expected_offsets_fraction')):>10} {r['patch_bytes']:>12,}",
                 file=out,
             )
     else:
@@ -60,7 +60,7 @@ def print_table(report: dict, out=None) -> None:
     head = f"{'group':<9} {'elements':>10} {'changed %':>10}"
     print(
         head
-        + (f" {'predicted %':>12} {'expected %':>11}" if train else "")
+        + (f" {'predicted %':>12} {'expected %':>11} {'offsets %':>10}" if train else "")
         + f" {'bytes/step':>11}",
         file=out,
     )
@@ -70,11 +70,14 @@ def print_table(report: dict, out=None) -> None:
         c = s[g]
         line = f"{g:<9} {c['total_elements']:>10,} {_pct(c['changed_fraction']):>10}"
         if train:
-            line += f" {_pct(c['predicted_fraction']):>12} {_pct(c['expected_fraction']):>11}"
+            line += (f" {_pct(c['predicted_fraction']):>12} {_pct(c['expected_fraction']):>11}"
+                     f" {_pct(c.get('expected_offsets_fraction')):>10}")
         print(line + f" {c['payload_bytes_per_step']:>11,.0f}", file=out)
     if train:
         print(
-            f"\n{RULE}; expected: mean(min(1, |update|/ULP)); changed: measured (exact "
+            f"\n{RULE}; expected: mean(min(1, |update|/ULP)) (masters uniform in their "
+            "rounding interval); offsets: from the masters' measured offsets in their interval "
+            "(per-tensor histogram, signed along the update); changed: measured (exact "
             "rounding-boundary crossings). bytes/step: chunk payload, without the header.",
             file=out,
         )

@@ -210,3 +210,38 @@ async def test_the_snapshot_search_is_bounded_on_a_board_that_cannot_list(tmp_pa
     with pytest.raises(store.VersionError, match="no usable snapshot"):
         await asyncio.wait_for(store.plan(b, "empty", None, 10**15), 60)  # unbounded: times out
     assert Unlisted.reads <= store.MAX_SNAPSHOT_SCAN + 2
+
+
+async def test_a_wake_during_an_apply_is_not_lost(tmp_path):
+    """A hint that comes while the loop is applying (here `wait_for` of the next version, as an
+    announcement would) makes the loop read the board again at once: it is not cleared when the
+    apply ends, which would leave the follower a whole reconcile interval (an hour here) behind."""
+    run = "wake"
+    t = Trainer(str(tmp_path / "board"), run, None)
+    await asyncio.to_thread(t.step)  # v0
+    rep = MemoryReplica()
+    applying, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(step, path):  # v1's apply waits until the test has published v2
+        if step.manifest.version == 1:
+            applying.set()
+            await release.wait()
+        await rep(step, path)
+
+    f = Follower(str(tmp_path / "board"), run, slow, cache_dir=tmp_path / "c",
+                 reconcile_interval=3600)
+    await f.start()
+    try:
+        assert await f.wait_for(0, 20)
+        await asyncio.to_thread(t.step)  # v1
+        waiting = asyncio.create_task(f.wait_for(1, 20))  # wakes the loop: it applies v1
+        await asyncio.wait_for(applying.wait(), 20)
+        v2 = await asyncio.to_thread(t.step)
+        later = asyncio.create_task(f.wait_for(v2, 20))  # the hint, during v1's apply
+        await asyncio.sleep(0.2)
+        release.set()
+        assert await waiting and await later, f"stuck at {f.version}"
+        assert same(rep, t.views[v2])
+    finally:
+        await f.stop()
+        t.pub.close()

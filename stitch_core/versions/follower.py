@@ -284,6 +284,10 @@ class Follower:
 
     async def _loop(self) -> None:
         while not self._stopping:
+            # cleared before the read, never after it: a hint (or wait_for) that arrives while
+            # sync() runs sets it again and is not lost (lost, the loop slept a whole
+            # reconcile interval with a newer version announced)
+            self._wake.clear()
             try:
                 await self.sync()  # woken (a hint) or a timer tick: what the board says
             except Exception as e:  # keep following; the next tick retries
@@ -295,7 +299,6 @@ class Follower:
                     log.warning("follower %s: %s", self.id, e)
             else:  # the board was read and everything on it applied: healthy again
                 self.last_error = self.error_since = None
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.reconcile_interval)
 

@@ -7,13 +7,14 @@ no GPU driver for SGLang's cudaHostRegister) answers an unpinned greedy /generat
 default: SGLang's retract, then a prefill on the new weights). Its `meta_info.routed_experts`
 (rows of positions 0 .. seqlen - 2) and `stitch.version_spans` must agree: the rows each span
 owns (`protocol.routing_spans`: position p belongs to output token max(0, p - prompt_len + 1))
-are those a fresh plain SGLang engine at that span's version returns for the same prefix, bit for
-bit. The follower's rows before the boundary are the old version's although SGLang's recompute
-forwarded those positions again on the new weights (`stitch_sglang.routed` keeps the first
-forward's rows at the retract); the test checks that the new version routes some of them
+are those a plain SGLang engine (no plugin) at that span's version returns for the same prefix,
+bit for bit. The follower's rows before the boundary are the old version's although SGLang's
+recompute forwarded those positions again on the new weights (`stitch_sglang.routed` keeps the
+first forward's rows at the retract); the test checks that the new version routes some of them
 differently, so the splice is what makes them right.
 
-Three engine starts: the follower, then fresh plain engines at v0 and at v1 (one at a time).
+Two engine starts: the follower, then a plain engine on v0 that loads v1 through SGLang's own
+loader (`/update_weights_from_disk`).
 """
 
 from __future__ import annotations
@@ -143,18 +144,23 @@ def test_routing_rows_follow_the_version_spans_across_an_apply(engine, tmp_path,
     a = spans[1][1]  # the first token of v1
     print(f"spans {spans}; routing rows {rows.shape}; v{v0} owns rows 0..{owned[0][2]}")
 
-    fresh = {}
-    for v, prompt, n in ((v0, PROMPT, a), (v1, PROMPT + ids[:a], N - a)):
-        d = tmp_path / f"v{v}-fresh"
+    # the reference: a plain engine (no plugin) started on v0, v1 loaded by SGLang's own loader
+    # (SglangServer.load_weights: /update_weights_from_disk, cache flushed)
+    dirs = {v: tmp_path / f"v{v}-fresh" for v in (v0, v1)}
+    for v, d in dirs.items():
         asyncio.run(pull(LocalBoard(tmp_path / "board"), run, v, d, tmp_path / "cache",
                          quiet=True))
-        eng = SglangServer(d, tmp_path / f"fresh-v{v}.log", plain=True, extra=ROUTED,
-                           dev_host_alloc="plain")
-        try:
-            eng.wait_healthy()
+    fresh = {}
+    eng = SglangServer(dirs[v0], tmp_path / "fresh.log", plain=True, extra=ROUTED,
+                       dev_host_alloc="plain")
+    try:
+        eng.wait_healthy()
+        for v, prompt, n in ((v0, PROMPT, a), (v1, PROMPT + ids[:a], N - a)):
+            if v != v0:
+                eng.load_weights(dirs[v])
             fresh[v] = _generate(eng, prompt, n)
-        finally:
-            eng.stop()
+    finally:
+        eng.stop()
     assert _ids(fresh[v0]) == ids[:a] and _ids(fresh[v1]) == ids[a:], "greedy tokens differ"
     f0, f1 = _rows(fresh[v0], cfg), _rows(fresh[v1], cfg)
     assert f0.shape[0] == P + a - 1 and f1.shape[0] == P + N - 1

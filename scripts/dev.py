@@ -11,9 +11,9 @@ points, a CLI round trip), and in each engine venv.
     python3 scripts/dev.py demo --engine sglang   # the engine part with SGLang (.venv-sglang)
     python3 scripts/dev.py demo --no-engine   # without the engine part (no engine venv)
     python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
-                                    # suite (main, then the vLLM suite in .venv-vllm and the
-                                    # SGLang suite in .venv-sglang side by side;
-                                    # STITCH_TEST_SERIAL=1: one after the other)
+                                    # suite (main, then the vLLM suite in .venv-vllm, then SGLang
+                                    # in .venv-sglang; STITCH_TEST_PARALLEL=1: the two engine
+                                    # suites side by side)
     python3 scripts/dev.py gpu-check [--device cpu] [--json] [--out FILE]   # core on a GPU
     python3 scripts/dev.py gpu-bundle DIR   # the wheels + check for a GPU machine without
                                             # a registry (docs/benchmarks.md, "GPU check")
@@ -387,11 +387,13 @@ def suite(phases: Phases, name: str, tag: str, cmds: list[tuple[list, dict]],
 
 
 def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
-    """The vLLM and the SGLang suite, side by side (each engine suite waits on engine start-ups
-    and single-threaded Python most of its time, so two share the cores well): each runs its
-    wheel check, then the engine scenarios of tests/engines for its engine (STITCH_ENGINE), then
-    its own directory. STITCH_TEST_SERIAL=1 runs them one after the other."""
-    verbose = ["-v"] if os.environ.get("STITCH_TEST_SERIAL") != "1" else ["-q"]
+    """The vLLM suite, then the SGLang suite: each runs its wheel check, then the engine
+    scenarios of tests/engines for its engine (STITCH_ENGINE), then its own directory.
+    STITCH_TEST_PARALLEL=1 runs the two side by side, each line prefixed with its suite; on two
+    cores that was slower, not faster (an idle SGLang scheduler polls a whole core while its
+    session follower waits for its last test), so it is not the default."""
+    parallel = os.environ.get("STITCH_TEST_PARALLEL") == "1"
+    verbose = ["-v"] if parallel else ["-q"]
 
     def basetemp(tag: str) -> str:  # a pytest tmp root each: neither cleans up the other's
         return str(Path(tempfile.gettempdir()) / f"stitch-test-{os.getuid()}-{tag}")
@@ -425,7 +427,7 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
             return
         suite(phases, name, tag, cmds, failed)
 
-    if os.environ.get("STITCH_TEST_SERIAL") == "1":
+    if not parallel:
         for r in runs:
             one(*r)
     else:
@@ -442,9 +444,8 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
 
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint, the wheel check and the main suite in the foreground while the engine venvs build
-    in the background (niced); then the vLLM and the SGLang suites side by side
-    (engine_suites). A table of the phases' wall times ends the output, also when a phase
-    failed."""
+    in the background (niced); then the vLLM and the SGLang suites (engine_suites). A table of
+    the phases' wall times ends the output, also when a phase failed."""
     bg = Background(phases, ROOT / ".venv-builds.log",
                     [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang)])
     wheel()  # built once, before the builds that install it start

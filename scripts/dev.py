@@ -386,6 +386,9 @@ def suite(phases: Phases, name: str, tag: str, cmds: list[tuple[list, dict]],
         failed.append(name)
 
 
+DURATIONS = ("--durations=15", "--durations-min=5")  # where a suite's time goes, in its output
+
+
 def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
     """The vLLM suite, then the SGLang suite: each runs its wheel check, then the engine
     scenarios of tests/engines for its engine (STITCH_ENGINE), then its own directory.
@@ -411,12 +414,12 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
     runs = [
         ("vLLM venv", "vLLM suite", "vllm", [
             ([vpy, check, "--engine", "vllm"], dict(os.environ)),
-            ([vpy, "-m", "pytest", *verbose, "--basetemp", basetemp("vllm"), "tests/engines",
-              "tests/vllm"], vllm_env)]),
+            ([vpy, "-m", "pytest", *verbose, *DURATIONS, "--basetemp", basetemp("vllm"),
+              "tests/engines", "tests/vllm"], vllm_env)]),
         ("SGLang venv", "SGLang suite", "sglang", [
             ([spy, check, "--engine", "sglang"], stub),
-            ([spy, "-m", "pytest", *verbose, "--basetemp", basetemp("sglang"), "tests/engines",
-              "tests/sglang"], sglang_env)]),
+            ([spy, "-m", "pytest", *verbose, *DURATIONS, "--basetemp", basetemp("sglang"),
+              "tests/engines", "tests/sglang"], sglang_env)]),
     ]
 
     def one(venv: str, name: str, tag: str, cmds: list[tuple[list, dict]]) -> None:
@@ -443,11 +446,13 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
 
 
 def test(env: dict[str, str], phases: Phases) -> int:
-    """Lint, the wheel check and the main suite in the foreground while the engine venvs build
-    in the background (niced); then the vLLM and the SGLang suites (engine_suites). A table of
-    the phases' wall times ends the output, also when a phase failed."""
+    """Lint and the main suite in the foreground while the engine venvs and the wheel check's
+    clean venv build in the background (niced; mostly downloads and unpacking); then the vLLM
+    and the SGLang suites (engine_suites). A table of the phases' wall times ends the output,
+    also when a phase failed; each suite prints its slowest tests."""
     bg = Background(phases, ROOT / ".venv-builds.log",
-                    [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang)])
+                    [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang),
+                     ("wheel check (clean venv)", check_wheel)])
     wheel()  # built once, before the builds that install it start
     bg.start()
     try:
@@ -455,11 +460,10 @@ def test(env: dict[str, str], phases: Phases) -> int:
             run(PY, "-m", "ruff", "check", ".", env=env)
         with phases("import contracts"):
             run(VENV / "bin" / "lint-imports", env=env)  # the layer contracts in pyproject.toml
-        with phases("wheel check (clean venv)"):
-            check_wheel()
         with phases("main suite"):
-            run(PY, "-m", "pytest", "-q", "--ignore=tests/engines", "--ignore=tests/vllm",
-                "--ignore=tests/sglang", *sys.argv[2:], env=env)
+            run(PY, "-m", "pytest", "-q", *DURATIONS, "--ignore=tests/engines",
+                "--ignore=tests/vllm", "--ignore=tests/sglang", *sys.argv[2:], env=env)
+        bg.wait("wheel check (clean venv)")
         engine_suites(env, phases, bg)
     finally:
         print(phases.table(), flush=True)

@@ -1,8 +1,9 @@
 """Per-token version spans on a following vLLM engine (TP=1, CPU), across applies mid-generation.
 
 Real parts: nats-server, a board directory, a tiny Qwen2 trained with AdamW in this process, the
-Publisher, `stitch pull`, a vLLM OpenAI server with the plugin, and fresh vLLM engines (`LLM`, one
-subprocess) on `stitch pull` snapshots of each version for the regeneration proof. The applies
+Publisher, `stitch pull`, a vLLM OpenAI server with the plugin, and a plain vLLM engine (`LLM`, one
+subprocess) loaded from `stitch pull` snapshots of each version for the regeneration proof (started
+on the first, the others by vLLM's own in-place reload). The applies
 land mid-generation by construction: the test holds the engine's steps (vLLM's RL route
 `POST /pause?mode=keep`) while it publishes, so the request cannot finish first; the plugin's
 own pause/resume around the apply lets it go on.
@@ -125,23 +126,27 @@ FRESH = textwrap.dedent("""
     from vllm.inputs import TokensPrompt
     jobs, out = json.loads(sys.argv[1]), sys.argv[2]
     res = []
-    for d, items in jobs:
-        llm = LLM(model=d, dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0,
-                  max_num_seqs=4, generation_config="vllm")
+    llm = LLM(model=jobs[0][0], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_seqs=4, generation_config="vllm")
+    for i, (d, items) in enumerate(jobs):
+        if i:  # vLLM's own in-place reload (stitch_dev.engines.vllm_fresh_outputs)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
+            llm.reset_prefix_cache()
         for prompt, n in items:
             sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True)
             c = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp,
                              use_tqdm=False)[0].outputs[0]
             res.append({"tokens": list(c.token_ids),
                         "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
-        del llm
+    llm.llm_engine.engine_core.shutdown()
     json.dump(res, open(out, "w"))
 """)
 
 
 def regenerate(root, jobs: list[tuple[str, list[tuple[list[int], int]]]]) -> list[dict]:
-    """Greedy tokens and their logprobs from fresh engines: for each (model dir, [(prompt ids,
-    n)]), one engine on that directory; the answers in that order, flat."""
+    """Greedy tokens and their logprobs of a plain engine at each version: for each (model dir,
+    [(prompt ids, n)]), the engine at that directory's weights (started on the first, later ones
+    by vLLM's own reload); the answers in that order, flat."""
     out = root / "fresh.json"
     env = vllm_env(os.environ, 1)  # the server's CPU settings (threads decide reduction orders)
     subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs), str(out)], check=True,

@@ -395,7 +395,9 @@ class Sglang(Engine):
     compare = (4, 10)
     follower_extra = ("--enable-metrics",)
     follower_kw: dict = {}
-    tp_cases = (("realistic", 1, False), ("realistic", 2, False))
+    # the realistic shape at TP=2 only (its TP=1 case took 169 s of the test command's budget;
+    # TP=1 is the follower's, on a small Qwen2, and the tied lm_head is sliced at TP=2 here)
+    tp_cases = (("realistic", 2, False),)
     tp2_arch = "qwen2"
 
     def ready(self, server, timeout=400):

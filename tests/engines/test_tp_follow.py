@@ -38,7 +38,7 @@ from stitch_dev.tinymodel import REALISTIC
 from ..engine_common import follow_versions
 from .conftest import ENGINE, published_v0
 
-VERSIONS = 4
+VERSIONS = 2  # two patches in a row (fewer versions: the test command's time)
 CASES = [c for c in adapter(ENGINE).tp_cases if not c[2]] if ENGINE else []
 SHARED = [c for c in adapter(ENGINE).tp_cases if c[2]] if ENGINE else []
 

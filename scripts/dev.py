@@ -13,7 +13,8 @@ points, a CLI round trip), and in each engine venv.
     python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
                                     # suite (main, then the vLLM suite in .venv-vllm, then SGLang
                                     # in .venv-sglang; STITCH_TEST_PARALLEL=1: the two engine
-                                    # suites side by side)
+                                    # suites side by side; STITCH_TEST_WORKERS: the main
+                                    # suite's pytest-xdist workers, default one per core)
     python3 scripts/dev.py gpu-check [--device cpu] [--json] [--out FILE]   # core on a GPU
     python3 scripts/dev.py gpu-bundle DIR   # the wheels + check for a GPU machine without
                                             # a registry (docs/benchmarks.md, "GPU check")
@@ -461,7 +462,10 @@ def test(env: dict[str, str], phases: Phases) -> int:
         with phases("import contracts"):
             run(VENV / "bin" / "lint-imports", env=env)  # the layer contracts in pyproject.toml
         with phases("main suite"):
-            run(PY, "-m", "pytest", "-q", *DURATIONS, "--ignore=tests/engines",
+            # one worker per core, a test file's tests on one worker (its module fixtures once)
+            workers = int(os.environ.get("STITCH_TEST_WORKERS", "0") or 0) or os.cpu_count() or 1
+            xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+            run(PY, "-m", "pytest", "-q", *xdist, *DURATIONS, "--ignore=tests/engines",
                 "--ignore=tests/vllm", "--ignore=tests/sglang", *sys.argv[2:], env=env)
         bg.wait("wheel check (clean venv)")
         engine_suites(env, phases, bg)

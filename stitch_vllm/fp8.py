@@ -30,6 +30,9 @@ original it keeps the layer's loader-format parameters and compares what the ker
   of them (a scale and every code it scales are one layer: a scale patch rebuilds the whole
   layer), and proven current by its stamp.
 
+The online FP8 methods (``--quantization fp8_per_block`` on a bf16 checkpoint) are kept by
+``stitch_vllm.fp8_online`` through the same import hook.
+
 Refused at start-up: a post-load step that writes into the loader-format tensors themselves
 (DeepGEMM's UE8M0 requant, vLLM's default wherever DeepGEMM runs; ROCm's fnuz branch for UE8M0
 scales: the masters no longer hold the published view, the start-up proof fails naming the
@@ -48,6 +51,8 @@ import torch
 
 from stitch_core.engine import derived
 
+from .fp8_online import ONLINE_MODULE, wrap_online_methods
+
 __all__ = ["install_fp8_keeper", "kernel_names", "FP8_PARAMS"]
 
 FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
@@ -60,24 +65,33 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
             and (not a.numel() or a.data_ptr() == b.data_ptr()))
 
 
+# what to wrap in each module, once it is imported
+_HOOKS = {FP8_MODULE: lambda mod: _wrap(mod.Fp8LinearMethod),
+          ONLINE_MODULE: wrap_online_methods}
+
+
 def install_fp8_keeper() -> bool:
-    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` (idempotent): now if vLLM's FP8
-    module is imported, else as soon as it is (importing it costs seconds, and most engines
-    never load an FP8 model). True once wrapped."""
-    mod = sys.modules.get(FP8_MODULE)
-    if mod is not None:
-        _wrap(mod.Fp8LinearMethod)
-        return True
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` and the online FP8 methods'
+    (``stitch_vllm.fp8_online``), idempotent: now for vLLM's FP8 modules already imported, else
+    as soon as they are (importing them costs seconds, and most engines never load an FP8 model).
+    True once both are wrapped."""
+    done = 0
+    for name, hook in _HOOKS.items():
+        mod = sys.modules.get(name)
+        if mod is not None:
+            hook(mod)
+            done += 1
+    if done < len(_HOOKS) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
-    return False
+    return done == len(_HOOKS)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds vLLM's FP8 module through the other finders and wraps its method once loaded."""
+    """Finds vLLM's FP8 modules through the other finders and wraps their methods once loaded."""
 
     def find_spec(self, name, path, target=None):
-        if name != FP8_MODULE:
+        hook = _HOOKS.get(name)
+        if hook is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -94,7 +108,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _wrap(module.Fp8LinearMethod)
+            hook(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

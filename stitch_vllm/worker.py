@@ -18,6 +18,8 @@ numba is safe here (see stitch_core/_jit.py for the vLLM start-up scan it used t
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -26,8 +28,10 @@ from stitch_core.engine.layout import engine_params, read_safetensors_shapes
 
 from .cpu import repack_dirty
 from .fp8 import kernel_names
+from .fp8_online import requantized_blocks
 
 __all__ = ["StitchWorkerExtension"]
+log = logging.getLogger("stitch.vllm")
 
 
 class StitchWorkerExtension:
@@ -61,7 +65,12 @@ class StitchWorkerExtension:
 
             model = self._stitch_model()
             def on_dirty(dirty: set[str]) -> None:
+                t0 = time.perf_counter()
                 self._stitch_repacked = repack_dirty(model, dirty)
+                if blocks := requantized_blocks(model, self._stitch_repacked):
+                    log.info("stitch: re-quantized %d online-FP8 layers (%d blocks) in %.1f ms",
+                             len(self._stitch_repacked), blocks,
+                             (time.perf_counter() - t0) * 1e3)
 
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=self.stitch_rank_info())
             self._stitch_rep = rep

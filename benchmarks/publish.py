@@ -61,7 +61,8 @@ import torch, safetensors.torch
 t.append(time.perf_counter())
 import stitch_core.cli.main
 m = sys.modules["stitch_core.cli.main"]
-m.build_parser()  # every verb's module, plugins included, as `stitch diff` loads them
+m.parse_args(["diff", *sys.argv[1:3], "-o", "p.stp"])  # the parsers `stitch diff` builds
+import stitch_core.cli.patches as v  # and the module that runs it
 t.append(time.perf_counter())
 from stitch_core.format.patch import PatchBuilder
 g = torch.Generator().manual_seed(0)
@@ -71,7 +72,7 @@ PatchBuilder(io.BytesIO()).add("warm", x, y)  # numba: each compiled function's 
 t.append(time.perf_counter())
 from stitch_core.format.checkpoint import open_checkpoint
 a, b = open_checkpoint(sys.argv[1]), open_checkpoint(sys.argv[2])
-ta, tb = m._Tensors(a), m._Tensors(b)
+ta, tb = v._Tensors(a), v._Tensors(b)
 A = {n: ta.get(n) for n in a.names()}; B = {n: tb.get(n) for n in b.names()}
 t.append(time.perf_counter())
 for n in A:
@@ -82,7 +83,7 @@ for n in A:
     pb.add(n, A[n], B[n])
 pb.finish()
 t.append(time.perf_counter())
-keys = ["import torch+safetensors", "import the stitch CLI (every verb)",
+keys = ["import torch+safetensors", "import the stitch CLI (what `diff` loads)",
         "numba: first calls (cached code loaded)", "load both checkpoints",
         "compare+nonzero (the bare loop)", "PatchBuilder: fingerprint+compare+encode"]
 print(json.dumps(dict(zip(keys, [t[i + 1] - t[i] for i in range(len(keys))]))))

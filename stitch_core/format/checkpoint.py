@@ -124,3 +124,25 @@ def write_index(dst: Path, where: dict[str, str], total_size: int) -> None:
     """Write `dst`'s index file: `total_size` and the weight map `where`, sorted."""
     body = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(where.items()))}
     (dst / INDEX).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def tmp_sibling(out: Path) -> Path:
+    """A hidden temporary path next to `out` (per process) to write before `replace`."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def remove(p: Path) -> None:
+    """Delete `p` (a file or a directory tree) if it exists."""
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists():
+        p.unlink()
+
+
+def replace(tmp: Path, out: Path, force: bool) -> None:
+    """Move `tmp` to `out`, replacing an existing `out` only with `force` (else FileExistsError)."""
+    if out.exists():
+        if not force:
+            raise FileExistsError(f"{out} exists (use --force to replace it)")
+        remove(out)
+    os.replace(tmp, out)

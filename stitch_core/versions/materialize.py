@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,10 @@ from stitch_core.format.checkpoint import (
     Checkpoint,
     copy_side_files,
     open_checkpoint,
+    remove,
+    replace,
     save_shard,
+    tmp_sibling,
     write_index,
 )
 from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, check_digests, row
@@ -123,28 +125,6 @@ def default_cache_dir() -> Path:
     if st.st_mode & 0o077:
         os.chmod(d, 0o700)
     return d
-
-
-def tmp_sibling(out: Path) -> Path:
-    """A hidden temporary path next to `out` (per process) to write before `replace`."""
-    return out.parent / f".{out.name}.tmp-{os.getpid()}"
-
-
-def remove(p: Path) -> None:
-    """Delete `p` (a file or a directory tree) if it exists."""
-    if p.is_dir():
-        shutil.rmtree(p, ignore_errors=True)
-    elif p.exists():
-        p.unlink()
-
-
-def replace(tmp: Path, out: Path, force: bool) -> None:
-    """Move `tmp` to `out`, replacing an existing `out` only with `force` (else FileExistsError)."""
-    if out.exists():
-        if not force:
-            raise FileExistsError(f"{out} exists (use --force to replace it)")
-        remove(out)
-    os.replace(tmp, out)
 
 
 class RollbackRefusedError(VersionError):

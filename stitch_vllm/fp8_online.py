@@ -88,6 +88,7 @@ def _wrap(cls, module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return orig(self, layer)  # vLLM's own guard: nothing to do
         master = layer._parameters.get("weight")
+        before = {n for n, p in layer._parameters.items() if p is not None}
         why = _refusal(self, layer, module)
         orig(self, layer)
         if why is not None or not isinstance(master, torch.nn.Parameter):
@@ -96,8 +97,11 @@ def _wrap(cls, module) -> None:
                         why or "no bf16 weight")
             return
         layer._stitch_masters = {"weight": master}
+        # the scales (and any other tensor the method made) are the copy's, not weights
+        holders = tuple(n for n, p in layer._parameters.items()
+                        if n != "weight" and n not in before and isinstance(p, torch.Tensor))
         derived.register(layer, f"fp8-online:{type(self).__name__}", {"weight": master},
-                         functools.partial(_requantize, self, layer))
+                         functools.partial(_requantize, self, layer), holders=holders)
 
     process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
     cls.process_weights_after_loading = process_weights_after_loading

@@ -195,11 +195,16 @@ class Layout:
 # Engine parameters (with kept CPU masters substituted)
 # --------------------------------------------------------------------------- #
 def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Canonical engine params; a packed layer's kept masters replace its packed params."""
+    """Canonical engine params; a packed layer's kept masters replace its packed params, and
+    parameters that only hold a derived copy (``stitch_core.engine.derived`` holders, e.g. the
+    scales an online quantizer computes from a bf16 master) are not weights of their own."""
     out: dict[str, torch.nn.Parameter] = {}
     for mod_name, mod in model.named_modules():
         masters = getattr(mod, "_stitch_masters", None) or {}
+        held = getattr(getattr(mod, "_stitch_derived", None), "holders", ())
         for pname, p in mod.named_parameters(recurse=False):
+            if pname in held and pname not in masters:
+                continue
             full = f"{mod_name}.{pname}" if mod_name else pname
             out.setdefault(full, masters.get(pname, p))
     # drop aliases (tied weights) keeping the first name, like named_parameters()

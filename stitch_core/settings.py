@@ -172,6 +172,11 @@ class Settings(BaseModel):
         "([protocol.md](protocol.md#per-token-version-spans))"))
     verify_interval: Seconds = Field(0.0, description=(
         "time between full fingerprint checks (0: at start-up only)"))
+    layout_cache: bool = Field(True, description=(
+        "keep each rank's learned layout under `STITCH_CACHE_DIR`/layouts and reuse it when the "
+        "engine restarts on the same model and code (never trusted: the start-up proof checks "
+        "it, and a map that does not prove is learned again) "
+        "([engines.md](engines.md#start-up-and-restarts-the-layout-cache))"))
     loader_fallback: bool = Field(False, description=(
         "tensors the layout map cannot place: update them through the engine's loader, "
         "unverified; params no loader writes (computed after loading): leave them as loaded "

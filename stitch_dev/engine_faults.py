@@ -286,6 +286,10 @@ def kill_mid_apply(server: ServerProcess, restart: Callable[[], ServerProcess],
         time.sleep(1.0)
     check = st["fingerprint_check"]  # the restarted engine's start-up proof
     assert check["ok"] is True and check["kind"] == "full", st
+    # same model, code and cache directory: every rank read its layout from the layout cache
+    assert check.get("layout_cached") is True, check
+    print(f"restart: layout read from the cache in {check['layout_s']:.2f} s, proof "
+          f"{check['seconds']:.2f} s")
     bad = probe.unproven(v, st["last_apply_time"])
     assert bad == [], bad[:5]
     check_latest(server, trainer, board_dir, run, v, send)

@@ -58,13 +58,28 @@ def rank_info() -> dict[str, Any]:
     return info
 
 
+def _sglang_version() -> str | None:
+    try:
+        import sglang
+
+        return getattr(sglang, "__version__", None)
+    except Exception:  # pragma: no cover - SGLang is the host process
+        return None
+
+
 def _replica(scheduler: Any):
     rep = getattr(scheduler, "_stitch_rep", None)
     if rep is None:
+        from stitch_core.engine.layout_cache import code_identity, from_settings
         from stitch_core.engine.replica import RankReplica
 
         model = scheduler.tp_worker.model_runner.model
-        rep = RankReplica(model, rank_info=rank_info())
+        info = rank_info()
+        args = getattr(scheduler, "server_args", None)
+        identity = {"engine": "sglang", "version": _sglang_version(), **code_identity(model),
+                    "dtype": str(getattr(args, "dtype", None)),
+                    "quantization": getattr(args, "quantization", None), "rank": info}
+        rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity))
         scheduler._stitch_rep = rep
     return rep
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from stitch_core.engine.layout import engine_params, read_safetensors_shapes
+from stitch_core.engine.layout_cache import code_identity, from_settings
 
 from .cpu import repack_dirty
 from .fp8 import kernel_names
@@ -72,9 +73,19 @@ class StitchWorkerExtension:
                              len(self._stitch_repacked), blocks,
                              (time.perf_counter() - t0) * 1e3)
 
-            rep = RankReplica(model, on_dirty=on_dirty, rank_info=self.stitch_rank_info())
+            info = self.stitch_rank_info()
+            rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,
+                              layout_cache=from_settings(self._stitch_identity(model, info)))
             self._stitch_rep = rep
         return rep
+
+    def _stitch_identity(self, model, info: dict[str, Any]) -> dict[str, Any]:
+        """What the learned layout depends on besides shapes (the layout cache's key)."""
+        import vllm
+
+        mc = self.vllm_config.model_config  # type: ignore[attr-defined]
+        return {"engine": "vllm", "version": vllm.__version__, **code_identity(model),
+                "dtype": str(mc.dtype), "quantization": mc.quantization, "rank": info}
 
     def stitch_call(self, blob: bytes) -> bytes:
         """One typed rank request (`stitch_core.engine.rpc`), encoded, in; its reply out. Never

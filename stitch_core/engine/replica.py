@@ -42,6 +42,7 @@ import torch
 from stitch_core.engine import derived, rpc
 from stitch_core.engine.failpoints import Failpoints
 from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
+from stitch_core.engine.layout_cache import LayoutCache
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
@@ -121,8 +122,10 @@ class RankReplica:
     def __init__(self, model: torch.nn.Module, *,
                  masters: Callable[[torch.nn.Module], Any] = MastersInstalled,
                  on_dirty: Callable[[set[str]], Any] | None = None,
-                 rank_info: dict[str, Any] | None = None):
+                 rank_info: dict[str, Any] | None = None,
+                 layout_cache: LayoutCache | None = None):
         self.model = model
+        self.layout_cache = layout_cache
         self.masters = masters
         self.on_dirty = on_dirty or (lambda dirty: None)
         self.rank_info = dict(rank_info or {})
@@ -139,11 +142,22 @@ class RankReplica:
 
     # ------------------------------------------------------------ set-up and full checks
 
-    def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> rpc.SetupReply:
-        """Learn the layout (engine idle) and return full per-copy sums and mapped counts."""
+    def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]],
+              use_cache: bool = True) -> rpc.SetupReply:
+        """Learn the layout (engine idle; from the layout cache when one is given, it holds this
+        key and `use_cache`) and return full per-copy sums and mapped counts."""
         hf = {n: (tuple(s), dtypes.info(d).torch_dtype) for n, (s, d) in shapes.items()}
         t0 = time.perf_counter()
-        self.layout = learn_layout(self.model, hf, rank_info=self.rank_info)
+        cache = self.layout_cache
+        key = cache.key(self.model, hf) if cache is not None else None
+        layout = cache.load(key) if cache is not None and key and use_cache else None
+        cached = layout is not None
+        if layout is None:
+            layout = learn_layout(self.model, hf, rank_info=self.rank_info)
+            if cache is not None and key:
+                cache.save(key, layout)
+        layout.rank_info = dict(self.rank_info)
+        self.layout = layout
         learn_s = time.perf_counter() - t0
         sums = self.sums()
         mapped = {n: sum(s.n_elems for s in t.segments) for n, t in self.layout.tensors.items()}
@@ -155,7 +169,7 @@ class RankReplica:
             derived=self.layout.derived(),
             # kernels' private copies of weights: kept in step (by kind), stale, not kept
             derived_copies=derived.kinds(self.model), stale_derived=derived.stale(self.model),
-            unmanaged=derived.unmanaged(self.model))
+            unmanaged=derived.unmanaged(self.model), cached=cached)
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)
@@ -387,8 +401,8 @@ class RankReplica:
     def handle(self, req: rpc.Request) -> rpc.Reply:
         """One entry point for engine RPC adapters: a typed request in, its reply out."""
         match req:
-            case rpc.Setup(shapes):
-                return self.setup(shapes)
+            case rpc.Setup(shapes, use_cache):
+                return self.setup(shapes, use_cache)
             case rpc.Sums(names):
                 return rpc.SumsReply(self.sums(names), derived.stale(self.model))
             case rpc.Gather(aid, positions):

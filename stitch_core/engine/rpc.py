@@ -34,6 +34,7 @@ class Setup:
     """Learn the layout of these served-view tensors ({name: (shape, dtype name)}) and prove it."""
 
     shapes: dict[str, tuple[tuple[int, ...], str]]
+    use_cache: bool = True  # False: learn through the loaders even if a cached layout exists
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class SetupReply:
     (`sums`) and the elements it maps (`mapped`); parameters a loader wrote constants into
     (`const`) or never wrote (`unwritten`), parameters no loader writes (`derived`), kernels'
     copies of weights kept in step by kind (`derived_copies`), stale ones (`stale_derived`) and
-    closures over state no adapter registered (`unmanaged`)."""
+    closures over state no adapter registered (`unmanaged`); whether the layout came from the
+    rank's layout cache (`cached`)."""
 
     rank: dict[str, Any]
     sums: dict[str, int]
@@ -55,6 +57,7 @@ class SetupReply:
     derived_copies: dict[str, int] = field(default_factory=dict)
     stale_derived: list[str] = field(default_factory=list)
     unmanaged: list[str] = field(default_factory=list)
+    cached: bool = False  # the layout came from the rank's layout cache, not from the loaders
 
 
 @dataclass(frozen=True)

@@ -449,7 +449,8 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint and the main suite in the foreground while the engine venvs and the wheel check's
     clean venv build in the background (niced; mostly downloads and unpacking); then the vLLM
-    and the SGLang suites (engine_suites). A table of the phases' wall times ends the output,
+    and the SGLang suites (engine_suites), each as soon as its venv is built; the wheel check's
+    result is awaited last. A table of the phases' wall times ends the output,
     also when a phase failed; each suite prints its slowest tests."""
     bg = Background(phases, ROOT / ".venv-builds.log",
                     [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang),
@@ -467,8 +468,10 @@ def test(env: dict[str, str], phases: Phases) -> int:
             xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
             run(PY, "-m", "pytest", "-q", *xdist, *DURATIONS, "--ignore=tests/engines",
                 "--ignore=tests/vllm", "--ignore=tests/sglang", *sys.argv[2:], env=env)
-        bg.wait("wheel check (clean venv)")
+        # each engine suite waits for its own venv only; the SGLang venv and the wheel check's
+        # clean venv go on building (niced) while the vLLM suite runs, not in front of it
         engine_suites(env, phases, bg)
+        bg.wait("wheel check (clean venv)")
     finally:
         print(phases.table(), flush=True)
         sys.stdout.flush()

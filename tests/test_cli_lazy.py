@@ -55,9 +55,12 @@ def test_a_parse_error_is_the_full_parsers(argv, capsys):
     assert (one.value.code, got) == (full.value.code, capsys.readouterr())
 
 
-def test_a_plugin_verb_parses_as_in_the_full_parser():
+def test_a_plugin_verb_parses_as_in_the_full_parser(capsys):
     argv = ["analyze", "-h"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as full:
         build_parser().parse_args(argv)
-    with pytest.raises(SystemExit):
+    want = capsys.readouterr()
+    with pytest.raises(SystemExit) as one:
         parse_args(argv)
+    assert (one.value.code, capsys.readouterr()) == (full.value.code, want)
+    assert "analyze" in want.out

@@ -265,6 +265,7 @@ class Squasher:
                  if b != target.parent and b in self.manifests]  # not the version's own patch
         gate = asyncio.Semaphore(self.workers)
         written: list[int] = []
+        builds: list[asyncio.Future] = []  # the codec's threads: awaited before `tmp` goes
 
         async def one(base: int, tmp: Path) -> None:
             if await self.board.exists(span_key(self.run, self.version, base)):
@@ -273,7 +274,9 @@ class Squasher:
             chain = self.chain_bytes.get(base, 0)
             path = tmp / span_object(base)
             async with gate:
-                size, changed = await asyncio.to_thread(self._build, base, path)
+                build = asyncio.ensure_future(asyncio.to_thread(self._build, base, path))
+                builds.append(build)
+                size, changed = await asyncio.shield(build)  # a cancel leaves the thread be
             if size >= chain:
                 report.skipped.append({"base": base, "why": f"{size} bytes, not smaller "
                                        f"than the chain's {chain}"})
@@ -292,7 +295,15 @@ class Squasher:
                                  "chain_bytes": chain})
 
         with tempfile.TemporaryDirectory(prefix="stitch-squash-") as tmp:
-            await asyncio.gather(*(one(b, Path(tmp)) for b in bases))
+            tasks = [asyncio.create_task(one(b, Path(tmp))) for b in bases]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                # one span failed (or the step was cancelled): stop the others, and let no
+                # build thread still write into `tmp` (or anything reach the board) after this
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, *builds, return_exceptions=True)
         report.spans.sort(key=lambda r: r["base"])
         # the index last, derived from the documents now on the board (a hint for readers
         # that cannot list; retention lists the documents themselves)

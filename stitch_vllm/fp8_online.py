@@ -123,16 +123,19 @@ def _requantize(method, layer: torch.nn.Module) -> None:
             layer._parameters[n] = old
 
 
-def requantized_blocks(model: torch.nn.Module, modules: list[str]) -> int:
-    """How many 128x128 blocks (per-block layers) or whole tensors (other online methods) the
-    re-quantization of `modules` (names from ``derived.rebuild_from``) covered."""
+def requantized_blocks(model: torch.nn.Module, modules: list[str]) -> tuple[int, int]:
+    """(layers, blocks): how many of `modules` (names from ``derived.rebuild_from``) are online-FP8
+    layers, and how many 128x128 blocks (per-block layers) or whole tensors (other online methods)
+    their re-quantization covered. Other rebuilt copies (a CPU backend's packed bf16 layers) are
+    not counted."""
     byname = dict(model.named_modules())
-    n = 0
+    layers = blocks = 0
     for name in modules:
         layer = byname.get(name)
         dc = getattr(layer, derived.ATTR, None)
         if layer is None or dc is None or not dc.kind.startswith("fp8-online:"):
             continue
         scale = layer._parameters.get("weight_scale_inv")
-        n += scale.numel() if scale is not None else 1
-    return n
+        layers += 1
+        blocks += scale.numel() if scale is not None else 1
+    return layers, blocks

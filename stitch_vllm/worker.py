@@ -68,10 +68,10 @@ class StitchWorkerExtension:
             def on_dirty(dirty: set[str]) -> None:
                 t0 = time.perf_counter()
                 self._stitch_repacked = repack_dirty(model, dirty)
-                if blocks := requantized_blocks(model, self._stitch_repacked):
+                layers, blocks = requantized_blocks(model, self._stitch_repacked)
+                if layers:
                     log.info("stitch: re-quantized %d online-FP8 layers (%d blocks) in %.1f ms",
-                             len(self._stitch_repacked), blocks,
-                             (time.perf_counter() - t0) * 1e3)
+                             layers, blocks, (time.perf_counter() - t0) * 1e3)
 
             info = self.stitch_rank_info()
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,

@@ -181,11 +181,12 @@ class SglangServer(EngineServer):
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, plain: bool = False,
                  python: str = sys.executable, extra: list[str] | tuple[str, ...] = (),
-                 api_key: str | None = None, **stitch: str):
+                 api_key: str | None = None, sleep_on_idle: bool = True, **stitch: str):
         port = free_port()
         self.tp = tp
         keys = ["--api-key", api_key] if api_key else []
-        cmd = sglang_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra, *keys])
+        cmd = sglang_cmd(python, str(model_dir), port, tp, ["--random-seed", "0", *extra, *keys],
+                         sleep_on_idle=sleep_on_idle)
         super().__init__(cmd, sglang_engine_env(tp, plain, **stitch), port, model_dir, log,
                          api_key)
 
@@ -375,8 +376,11 @@ class Vllm(Engine):
     follower_extra = ("--enable-scale-out",)
     follower_kw = {"max_model_len": 2048, "dev_mode": True}
     # the realistic shape at TP=1 is tests/vllm/test_layout.py's (a patch through the learned
-    # layout against a fresh engine); a follower of it here would add 2 minutes and no path
-    tp_cases = (("realistic", 2, False), ("qwen3_moe", 2, True))
+    # layout against a fresh engine; packed copies of every linear layer); TP=2 follows on the
+    # session's MoE engine after the faults (column/row/vocab-parallel slices, the experts,
+    # sharded packed copies). A realistic-shape follower at TP=2 here took 80-170 s and
+    # exercised no other path; SGLang keeps one (its only realistic-shape case)
+    tp_cases = (("qwen3_moe", 2, True),)
     tp2_arch = "qwen3_moe"  # MoE: experts over the ranks
 
     def fresh_outputs(self, dirs, tmp, tp=1):

@@ -126,12 +126,17 @@ SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native",
 
 
 def sglang_cmd(python: str, model_dir: str, port: int, tp: int, extra: Sequence[str] = (),
-               cpu: bool = True) -> list[str]:
+               cpu: bool = True, sleep_on_idle: bool = True) -> list[str]:
     """`python -m sglang.launch_server` on 127.0.0.1:`port` (SGLang's CPU engine unless not
-    `cpu`), its KV pool capped, then `extra` flags."""
+    `cpu`), its KV pool capped, sleeping when idle, then `extra` flags."""
     return [python, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", "127.0.0.1", "--port", str(port),
             *(SGLANG_CPU_FLAGS if cpu else []),
             # without a cap the CPU KV pool takes ~70% of free memory (15 GB here)
             "--max-total-tokens", "8192",
+            # an idle scheduler waits in a zmq poll (woken by any request, Stitch's control
+            # requests included) instead of spinning: measured idle, 0.48 cores at TP=1 and a
+            # whole core at TP=2 without it, 0.01-0.02 with it; on a 2-core host that core is
+            # the trainer's (benchmarks/engine_idle.py)
+            *(["--sleep-on-idle"] if sleep_on_idle else []),
             "--tp", str(tp), *extra]

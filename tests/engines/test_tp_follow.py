@@ -1,7 +1,7 @@
-"""Followers of a model of realistic shape at TP=2 (vLLM's TP=1 case at that shape is
-tests/vllm/test_layout.py's; SGLang has none at TP=1, for the test command's time) and, on vLLM,
-Qwen3-MoE at TP=2, against fresh engines of the same TP loaded from `stitch pull` of the same
-version.
+"""Followers at TP=2 against fresh engines of the same TP loaded from `stitch pull` of the same
+version: on SGLang a model of realistic shape (SGLang has none at TP=1, for the test command's
+time), on vLLM Qwen3-MoE (the realistic shape is tests/vllm/test_layout.py's, at TP=1: one
+realistic follower per suite, for the test command's time).
 
 The realistic model (stitch_dev.tinymodel.REALISTIC: a tied Llama, 24 layers, GQA 8/2, hidden 512,
 vocab 32800) is trained by AdamW at an RL learning rate (3e-6), so each version flips a realistic

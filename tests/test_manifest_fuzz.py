@@ -55,7 +55,8 @@ def mutated_manifest(draw) -> bytes:
         if action == "del":
             obj.pop(key, None)
         elif action == "nested" and key in ("tensors", "objects") and \
-                isinstance(obj.get(key), list) and obj[key] and isinstance(obj[key][0], dict):
+                isinstance(obj.get(key), list) and obj[key] and isinstance(obj[key][0], dict) \
+                and obj[key][0]:  # an earlier "set" may have left [{}]: nothing to replace
             item = dict(obj[key][0])
             item[draw(st.sampled_from(sorted(item)))] = draw(json_values)
             obj[key] = [item]

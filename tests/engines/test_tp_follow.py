@@ -1,7 +1,8 @@
 """Followers at TP=2 against fresh engines of the same TP loaded from `stitch pull` of the same
-version: on SGLang a model of realistic shape (SGLang has none at TP=1, for the test command's
-time), on vLLM Qwen3-MoE (the realistic shape is tests/vllm/test_layout.py's, at TP=1: one
-realistic follower per suite, for the test command's time).
+version. The `shared` case runs on the session's TP=2 engine after the fault drills (vLLM:
+Qwen3-MoE, SGLang: a small Qwen2); an engine's own cases (`tp_cases`, none today: a
+realistic-shape follower took 80-180 s of the test command per engine) start their own engines.
+The realistic shape runs on vLLM at TP=1 (tests/vllm/test_layout.py).
 
 The realistic model (stitch_dev.tinymodel.REALISTIC: a tied Llama, 24 layers, GQA 8/2, hidden 512,
 vocab 32800) is trained by AdamW at an RL learning rate (3e-6), so each version flips a realistic

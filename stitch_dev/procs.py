@@ -135,8 +135,7 @@ def sglang_cmd(python: str, model_dir: str, port: int, tp: int, extra: Sequence[
             # without a cap the CPU KV pool takes ~70% of free memory (15 GB here)
             "--max-total-tokens", "8192",
             # an idle scheduler waits in a zmq poll (woken by any request, Stitch's control
-            # requests included) instead of spinning: measured idle, 0.48 cores at TP=1 and a
-            # whole core at TP=2 without it, 0.01-0.02 with it; on a 2-core host that core is
-            # the trainer's (benchmarks/engine_idle.py)
+            # requests included) instead of spinning cores the trainer and the next engine's
+            # start need (figures: benchmarks/results/engine_idle.md)
             *(["--sleep-on-idle"] if sleep_on_idle else []),
             "--tp", str(tp), *extra]

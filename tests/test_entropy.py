@@ -283,6 +283,51 @@ def test_zero_frequency_entry_is_rejected():
         decode(tbl + struct.pack("<II", 4, 0) + struct.pack("<I", entropy.RANS_L), 1)
 
 
+def _payload_offsets(s: bytes, n_ctx: int = 1) -> tuple[int, int, int]:
+    """(offset of the rANS payload, its length, extra payload length) of a stream."""
+    p = 2
+    for _ in range(n_ctx):
+        p += 2 + 3 * (s[p] | s[p + 1] << 8)
+    rans_len, extra_len = struct.unpack_from("<II", s, p)
+    return p + 8, rans_len, extra_len
+
+
+def test_initial_state_outside_the_encoders_range_is_rejected():
+    # the decoder renormalises by at most two bytes a token, which holds only for states the
+    # encoder can write: [RANS_L, 256 RANS_L)
+    u, s = sample_stream(120)
+    off, _, _ = _payload_offsets(s)
+    assert entropy.RANS_L <= struct.unpack_from("<I", s, off)[0] < entropy.RANS_L << 8
+    for x in (0, 1, entropy.RANS_L - 1, entropy.RANS_L << 8, (1 << 32) - 1):
+        bad = bytearray(s)
+        struct.pack_into("<I", bad, off, x)
+        with pytest.raises(StreamError):
+            decode(bytes(bad), u.size)
+
+
+def test_a_context_with_no_table_is_rejected_when_used():
+    u = np.arange(40, dtype=np.uint64) % 7
+    s = encode(u, np.zeros(40, np.uint8), 2)  # context 1 has an empty table
+    np.testing.assert_array_equal(decode(s, 40, np.zeros(40, np.uint8)), u)
+    ctx = np.zeros(40, np.uint8)
+    ctx[5] = 1
+    with pytest.raises(StreamError):
+        decode(s, 40, ctx)
+
+
+def test_leftover_bits_in_the_last_extra_byte_are_rejected():
+    u = u64([16, 3, 17])  # tokens 16, 3, 16: 2 + 0 + 2 extra bits, one byte with 4 bits unused
+    s = encode(u)
+    np.testing.assert_array_equal(decode(s, 3), u)
+    _, _, extra_len = _payload_offsets(s)
+    assert extra_len == 1
+    for bit in range(4, 8):
+        bad = bytearray(s)
+        bad[-1] |= 1 << bit
+        with pytest.raises(StreamError):
+            decode(bytes(bad), 3)
+
+
 def test_bad_context_vectors_are_rejected():
     rng = np.random.default_rng(5)
     ctx = rng.integers(0, 3, 400).astype(np.uint8)

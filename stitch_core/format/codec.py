@@ -450,26 +450,27 @@ def compare(
 def _apply(  # pragma: no cover - compiled
     flat, pos, gaps, start, stop, pst, val, venc, ctx, dti, seed, old_out, ubuf
 ):
-    """Decode one chunk and write it into `flat`; (status, fingerprint delta). pst/val: (rans,
-    extra, freq, cum, lookup, scale bits) of the gap stream (when `gaps`, else `pos` is given)
-    and of the value stream; ctx: (base, n, sign), n = 0 without; dti: (bits, mantissa bits,
-    is_float, itemsize). On failure every write is undone."""
-    prans, pextra, pfreq, pcum, plook, psb = pst
-    vrans, vextra, vfreq, vcum, vlook, vsb = val
+    """Decode one chunk and write it into `flat`; (status, fingerprint delta). pst/val: a
+    stream's `kernel_args()` for the gap stream (when `gaps`, else `pos` is given) and the value
+    stream; ctx: (base, n, sign), n = 0 without; dti: (bits, mantissa bits, is_float,
+    itemsize). On failure every write is undone."""
+    prans, pn, pwords, pne, pfreq, pcum, plook, psb = pst
+    vrans, vn, vwords, vne, vfreq, vcum, vlook, vsb = val
     cbase, cn, csign = ctx
     bits, mant, is_float, itemsize = dti
     k = old_out.shape[0]
     status = 0
     acc = np.uint64(0)
-    pp, pq, pacc, phave, px = 4, 0, np.uint64(0), 0, np.uint64(entropy.RANS_L)
+    pp, pbp, px = 4, np.uint64(0), np.uint64(entropy.RANS_L)
     if gaps:
-        if prans.shape[0] < 4:
+        px = entropy.rans_state(prans, pn)
+        if px == 0:
             return -1, acc
-        px = entropy.rans_state(prans)
-    if vrans.shape[0] < 4:
+    vx = entropy.rans_state(vrans, vn)
+    if vx == 0:
         return -1, acc
-    vx = entropy.rans_state(vrans)
-    vp, vq, vacc, vhave = 4, 0, np.uint64(0), 0
+    vp, vbp = 4, np.uint64(0)
+    plim, vlim = np.uint64(8 * pne), np.uint64(8 * vne)
     pmask = np.uint64((1 << psb) - 1)
     vmask = np.uint64((1 << vsb) - 1)
     umask = (np.int64(1) << bits) - 1
@@ -482,10 +483,10 @@ def _apply(  # pragma: no cover - compiled
     for i in range(k + LAG):
         if gaps and i < k:
             s, px, pp = entropy.rans_step(prans, pp, px, 0, pfreq, pcum, plook, pmask, psb)
-            if pp < 0:
+            if pp > pn:
                 return -1, acc
-            g, pq, pacc, phave = entropy.extra_step(pextra, pq, pacc, phave, int(s))
-            if pq < 0:
+            g, pbp = entropy.extra_step(pwords, pbp, s)
+            if pbp > plim:
                 return -2, acc
             if g >= np.uint64(stop - last - 1):
                 return _BAD_POS, acc
@@ -504,19 +505,19 @@ def _apply(  # pragma: no cover - compiled
             if csign and (ub >> (bits - 1)) & 1:
                 c += cn
         s, vx, vp = entropy.rans_step(vrans, vp, vx, c, vfreq, vcum, vlook, vmask, vsb)
-        if vp < 0:
+        if vp > vn:
             return -1, acc
-        u, vq, vacc, vhave = entropy.extra_step(vextra, vq, vacc, vhave, int(s))
-        if vq < 0:
+        u, vbp = entropy.extra_step(vwords, vbp, s)
+        if vbp > vlim:
             return -2, acc
         ubuf[j] = u
-    if gaps and (px != np.uint64(entropy.RANS_L) or pp != prans.shape[0]):
+    if gaps and not entropy.rans_done(px, pp, pn):
         return -1, acc
-    if gaps and (pacc != 0 or pq != pextra.shape[0]):
+    if gaps and not entropy.extra_done(pwords, pbp, pne):
         return -2, acc
-    if vx != np.uint64(entropy.RANS_L) or vp != vrans.shape[0]:
+    if not entropy.rans_done(vx, vp, vn):
         return -1, acc
-    if vacc != 0 or vq != vextra.shape[0]:
+    if not entropy.extra_done(vwords, vbp, vne):
         return -2, acc
     for i in range(k):
         p, o, u = pos[i], old_out[i], ubuf[i]
@@ -546,10 +547,6 @@ def _apply(  # pragma: no cover - compiled
 _NO_STREAM = None
 
 
-def _stream_args(st: entropy.Stream) -> tuple:
-    return (st.rans, st.extra, st.freq, st.cum, st.lookup, st.scale_bits)
-
-
 def apply_cpu(
     flat: np.ndarray, penc: str, pdata, venc: str, ctx: Context | None, vdata,
     start: int, stop: int, k: int, dt: DTypeInfo, seed: int,
@@ -564,14 +561,15 @@ def apply_cpu(
     gaps = penc == "gaps"
     try:
         if gaps:
-            pst = _stream_args(entropy.parse(pdata, k))
-            if pst[2].shape[0] != 1:
+            pstream = entropy.parse(pdata, k)
+            if pstream.n_ctx != 1:
                 raise CodecError("positions: context out of range")
+            pst = pstream.kernel_args()
             pos = np.empty(k, dtype=np.int64)
         else:
             pos = decode_positions(penc, pdata, start, stop, k)
             if _NO_STREAM is None:
-                _NO_STREAM = _stream_args(entropy.parse(entropy.encode(np.zeros(0, np.uint64)), 0))
+                _NO_STREAM = entropy.parse(entropy.encode(np.zeros(0, np.uint64)), 0).kernel_args()
             pst = _NO_STREAM
         vst = entropy.parse(vdata, k)
     except entropy.StreamError as e:
@@ -581,7 +579,7 @@ def apply_cpu(
         raise CodecError("values: context out of range")
     old = np.empty(k, dtype=np.int64)
     dti = (dt.bits, dt.mantissa_bits, dt.is_float, dt.itemsize)
-    status, delta = _apply(flat, pos, gaps, start, stop, pst, _stream_args(vst), VAL_CODES[venc],
+    status, delta = _apply(flat, pos, gaps, start, stop, pst, vst.kernel_args(), VAL_CODES[venc],
                            c, dti, seed, old, np.empty(k, dtype=np.uint64))
     if status:
         raise CodecError({-1: "corrupt entropy-coded stream", -2: "corrupt extra bits",

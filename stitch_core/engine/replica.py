@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stitch_core.engine import derived, rpc
+from stitch_core.engine import derived, rpc, scatter
 from stitch_core.engine.failpoints import Failpoints
 from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
 from stitch_core.engine.layout_cache import LayoutCache
@@ -254,7 +254,11 @@ class RankReplica:
                         new = ~held[sel]  # not held by an earlier segment
                         old_bits[sel[new]] = bits_d.cpu()[new]
                         held[sel] = True
-                plan.append((seg.param, eng_d, sel, hpos.to(p.device), old, bits_d))
+                hpos_d = hpos.to(p.device)
+                # the old bits' partial sum, here and not in the write: the pause only hashes
+                # what it wrote
+                osum = fpr.sum_at(name, hpos_d, bits_d, tm.hf_dtype.itemsize)
+                plan.append((seg.param, eng_d, sel, hpos_d, old, osum))
             self._plan[name] = (pos.numel(), plan)
             if complete or (held is not None and bool(held.all())):
                 out[name] = rpc.Held(None, old_bits.numpy())
@@ -286,23 +290,26 @@ class RankReplica:
                 if new_all.numel() != n:
                     raise ReplicaError(f"{name}: {new_all.numel()} values for {n} positions")
                 d = 0
-                for pname, eng, sel, hpos, old, old_bits in plan:
+                for pname, eng, sel, hpos, old, osum in plan:
                     flat = params[pname].data.reshape(-1)
-                    iv = dtypes.info(flat.dtype).int_dtype
                     new_bits = (new_all if sel is None else new_all[sel]).to(eng.device)
-                    new_vals = new_bits.view(tm.hf_dtype)
                     undo.append((flat, eng, old))
                     dirty.add(pname)
+                    # hash what is *there now*: the coordinator's check of the summed deltas is
+                    # the read-back proof (a lost or wrong write changes the sum)
+                    if scatter.fused(flat, tm.hf_dtype, eng):  # CPU: one kernel, two passes
+                        d += scatter.write_read_back_sum(name, flat, eng, new_bits, hpos) - osum
+                        continue
+                    new_vals = new_bits.view(tm.hf_dtype)
                     if flat.dtype == tm.hf_dtype:
+                        iv = dtypes.info(flat.dtype).int_dtype
                         flat.view(iv).index_put_((eng,), new_vals.view(iv))
                     else:  # the engine keeps a wider dtype (e.g. fp32 bias): exact conversion
                         flat.index_put_((eng,), new_vals.to(flat.dtype))
-                    # hash what is *there now*: the coordinator's check of the summed deltas is
-                    # the read-back proof (a lost or wrong write changes the sum)
                     back = flat[eng]
                     extra = _INEXACT * _inexact(back, tm.hf_dtype)
                     d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
-                          - fpr.sum_at(name, hpos, old_bits, hf.itemsize) + extra)
+                          - osum + extra)
                 deltas[name] = d & fpr.MASK64
                 if self.failpoints.armed:  # tests: fail here, part of the write done
                     self.failpoints.hit("write", i + 1, len(values))

@@ -53,17 +53,28 @@ def tokenize(u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tok, extra, nextra
 
 
+def _token_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per token: its count of extra bits, and its value with those bits zero."""
+    nbits = np.zeros(256, dtype=np.uint64)
+    base = np.arange(256, dtype=np.uint64)
+    for t in range(16, 256):
+        nb = (t - 16) // 4 + 4
+        nbits[t] = nb - 2
+        base[t] = (1 << nb) | (((t - 16) & 3) << (nb - 2))
+    return nbits, base
+
+
+TOKEN_EXTRA_BITS, TOKEN_BASE = _token_tables()
+
+
 def token_extra_bits(tokens: np.ndarray) -> np.ndarray:
     """The number of raw extra bits each token carries (uint8)."""
-    t = tokens.astype(np.int64)
-    return np.where(t < 16, 0, (t - 16) // 4 + 2).astype(np.uint8)
+    return TOKEN_EXTRA_BITS[tokens].astype(np.uint8)
 
 
 def detokenize(tokens: np.ndarray, extra: np.ndarray) -> np.ndarray:
     """(tokens, extra values) -> u (uint64): the inverse of `tokenize`."""
-    out = np.empty(tokens.shape[0], dtype=np.uint64)
-    _detokenize(np.ascontiguousarray(tokens), np.ascontiguousarray(extra, np.uint64), out)
-    return out
+    return TOKEN_BASE[tokens] | np.asarray(extra, dtype=np.uint64)
 
 
 # ---------------------------------------------------------------- numba kernels
@@ -142,18 +153,6 @@ def _tokenize(u, tok, extra, nextra):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _detokenize(tok, extra, out):  # pragma: no cover - compiled
-    for i in range(tok.shape[0]):
-        t = int(tok[i])
-        if t < 16:
-            out[i] = np.uint64(t)
-        else:
-            nb = (t - 16) // 4 + 4
-            m = np.uint64((t - 16) & 3)
-            out[i] = ((np.uint64(1) << np.uint64(nb)) | (m << np.uint64(nb - 2))) | extra[i]
-
-
-@numba.njit(cache=True, nogil=True)
 def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover - compiled
     """Encode in reverse into the tail of `out`; returns the start index of the stream.
 
@@ -205,20 +204,6 @@ def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover -
 # that a step may read past the end; the callers check the read positions after each step (a
 # branch that valid streams never take) and stop a malformed stream there.
 PAD_BYTES = 16
-
-
-def _token_tables() -> tuple[np.ndarray, np.ndarray]:
-    """Per token: its count of extra bits, and its value with those bits zero."""
-    nbits = np.zeros(256, dtype=np.uint64)
-    base = np.arange(256, dtype=np.uint64)
-    for t in range(16, 256):
-        nb = (t - 16) // 4 + 4
-        nbits[t] = nb - 2
-        base[t] = (1 << nb) | (((t - 16) & 3) << (nb - 2))
-    return nbits, base
-
-
-TOKEN_EXTRA_BITS, TOKEN_BASE = _token_tables()
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

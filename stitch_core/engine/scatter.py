@@ -1,0 +1,64 @@
+"""The rank write's hot path: scatter new bits into an engine tensor, read them back, hash them.
+
+One job, about 75 lines. `write_and_sum` writes served-view bits at engine positions and returns
+the partial fingerprint of what is there *afterwards* (read back after every write of the call),
+so the coordinator's check of the summed deltas proves memory, not intent. On CPU, where the
+engine keeps the served dtype, that is one numba kernel with two passes (write all, then read back
+and hash): about the cost of a bare `index_put_` (benchmarks/rank_write.py), where torch's
+`index_put_`, a gather back and a hash pass cost ~2.4x. Elsewhere (accelerators, engines that keep
+a wider dtype) it is those torch steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stitch_core._jit import numba
+from stitch_core.format import dtypes
+from stitch_core.format import fingerprint as fpr
+
+_h = fpr.element_hash_nb
+
+
+@numba.njit(cache=True, nogil=True)
+def _write_read_back_sum(flat, eng, new, hpos, seed, itemsize):  # pragma: no cover - compiled
+    """flat[eng[j]] = new[j] for all j, then sum h(hpos[j], flat[eng[j]]) over what is there:
+    (True, sum), or (False, 0) with nothing written if a position is out of range."""
+    n = flat.shape[0]
+    bad = False
+    for j in range(eng.shape[0]):
+        bad |= (eng[j] < 0) | (eng[j] >= n)
+    if bad:
+        return False, np.uint64(0)
+    for j in range(eng.shape[0]):
+        flat[eng[j]] = new[j]
+    acc = np.uint64(0)
+    for j in range(eng.shape[0]):
+        acc += _h(np.int64(hpos[j]), np.int64(flat[eng[j]]), seed, itemsize)
+    return True, acc
+
+
+def fused(flat: torch.Tensor, hf_dtype: torch.dtype, eng: torch.Tensor) -> bool:
+    """Whether `write_read_back_sum` serves this engine tensor (CPU, the served dtype)."""
+    return (flat.device.type == "cpu" and flat.dtype == hf_dtype and flat.is_contiguous()
+            and eng.device.type == "cpu")
+
+
+def write_read_back_sum(name: str, flat: torch.Tensor, eng: torch.Tensor, new_bits: torch.Tensor,
+                        hpos: torch.Tensor) -> int:
+    """Write `new_bits` (the served dtype's integer bits) at positions `eng` of the flat engine
+    tensor `flat`, then return sum h(hpos[j], bits read back at eng[j]) mod 2^64 (`fused` must
+    hold)."""
+    dt = dtypes.info(flat.dtype)
+    iv = dtypes.int_view(flat).numpy()
+    new = new_bits.view(dt.int_dtype).numpy()
+    e = np.ascontiguousarray(eng.numpy(), dtype=np.int64)
+    h = np.ascontiguousarray(hpos.numpy(), dtype=np.int64)
+    if not (e.shape == h.shape == new.shape):
+        raise ValueError(f"{name}: {e.shape[0]} positions, {h.shape[0]} HF positions, "
+                         f"{new.shape[0]} values")
+    ok, acc = _write_read_back_sum(iv, e, new, h, fpr.seed_of(name), dt.itemsize)
+    if not ok:
+        raise ValueError(f"{name}: engine position out of range [0, {iv.shape[0]})")
+    return int(acc) & fpr.MASK64

@@ -474,3 +474,17 @@ async def test_a_chunk_over_the_budget_is_refused_before_anything_is_written(pub
         await coord.apply_patch(m1, await _fetch(board, m1, tmp_path))
     assert coord.version == 0
     assert all(_same(a, b) for a, b in zip(engines, _engines(1, views[0]), strict=True))
+
+
+def test_sums_in_parallel_equal_sums_in_one_thread(published):
+    """Start-up sums tensors on the engine's threads; the result may not depend on it."""
+    _root, views = published
+    for world in (1, 2):
+        for e in _engines(world, views[1]):
+            rep = RankReplica(e)
+            shapes = {n: (tuple(t.shape), "BF16" if t.dtype == torch.bfloat16 else "F32")
+                      for n, t in views[1].items()}
+            rep.setup(shapes)
+            one = rep.sums()
+            assert rep.sums(threads=4) == one
+            assert rep.sums(list(one)[:3], threads=3) == {n: one[n] for n in list(one)[:3]}

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from stitch_core._jit import numba
+from stitch_core.engine.layout_scan import IndexPool, scan_runs
 
 __all__ = [
     "Segment",
@@ -319,7 +320,13 @@ def learn_layout(
         with MastersInstalled(model):
             params = engine_params(model)
             key = _group_key if group_by_layer else (lambda n: "all")
-            groups = sorted({key(n) for n in shapes})
+            # the largest group first: the pool's buffers are allocated (and their pages
+            # touched) once, at that size
+            size: dict[str, int] = {}
+            for n, (shp, _) in shapes.items():
+                size[key(n)] = size.get(key(n), 0) + int(np.prod(shp, dtype=np.int64))
+            groups = sorted(size, key=lambda g: (-size[g], g))
+            pool = IndexPool()
             tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
             const: dict[str, int] = {}
             unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
@@ -339,19 +346,25 @@ def learn_layout(
                 saved_rg: dict[str, bool] = {}
                 shadows: dict[str, torch.Tensor] = {}
                 loaded: Any = None
+                sbuf = pool.take("shadow", sum(int(p.numel()) for p in g_params.values()),
+                                 idx_dtype, shadow_device)
+                ibuf = pool.take("index", int(bases[-1] - bases[0]), idx_dtype)
                 try:
+                    off = 0
                     for n, p in g_params.items():
                         saved[n] = p.data
                         saved_rg[n] = p.requires_grad
                         p.requires_grad_(False)  # int .data is refused on grad params
-                        shadows[n] = torch.full(tuple(p.shape), -1, dtype=idx_dtype,
-                                                device=shadow_device)
+                        shadows[n] = sbuf[off:off + p.numel()].view(tuple(p.shape)).fill_(-1)
+                        off += p.numel()
                         p.data = shadows[n]
 
-                    def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype):
-                        for i, n in enumerate(g_hf):
-                            yield n, torch.arange(int(bases[i]), int(bases[i + 1]),
-                                                  dtype=idx_dtype).reshape(shapes[n][0])
+                    def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype, ibuf=ibuf):
+                        for i, n in enumerate(g_hf):  # each its own region of the pool
+                            lo, hi = int(bases[i]), int(bases[i + 1])
+                            out = ibuf[lo - 1:hi - 1]
+                            torch.arange(lo, hi, dtype=idx_dtype, out=out)
+                            yield n, out.view(shapes[n][0])
 
                     try:
                         loaded = model.load_weights(index_tensors())
@@ -378,7 +391,7 @@ def learn_layout(
                 for pn, sh in shadows.items():
                     flat = sh.view(-1).cpu().numpy()
                     n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
-                        _scan_runs(flat, bases)
+                        scan_runs(flat, bases)
                     if n_foreign:
                         raise RuntimeError(
                             f"layout learning: {n_foreign} elements of {pn} hold values no index "
@@ -410,54 +423,6 @@ def learn_layout(
         param_unwritten=unwritten,
         rank_info=dict(rank_info or {}),
     )
-
-
-@numba.njit(cache=True, nogil=True)
-def _scan_runs(flat, bases):
-    """One pass over a filled integer shadow (engine order): its runs of consecutive index values
-    at consecutive engine positions within one tensor of the group. Returns (constant count,
-    unwritten count, foreign count, run tensor ids, HF starts, engine starts, lengths). Values:
-    -1 never written, 0 a constant from a loader, v in [bases[t], bases[t+1]) HF element
-    v - bases[t] of tensor t, anything else foreign."""
-    n = flat.shape[0]
-    lo, hi = bases[0], bases[bases.shape[0] - 1]
-    n_const = n_unwritten = n_foreign = n_runs = 0
-    prev, end = np.int64(-2), np.int64(0)  # last value of the open run; its tensor's end
-    for i in range(n):  # pass 1: count
-        v = flat[i]
-        if v < lo or v >= hi:
-            if v == 0:
-                n_const += 1
-            elif v < 0:
-                n_unwritten += 1
-            else:
-                n_foreign += 1
-            prev = -2
-        elif v == prev + 1 and v < end:
-            prev = v
-        else:
-            n_runs += 1
-            end = bases[np.searchsorted(bases, v, side="right")]
-            prev = v
-    tid = np.empty(n_runs, np.int64)
-    hf_start = np.empty(n_runs, np.int64)
-    eng_start = np.empty(n_runs, np.int64)
-    length = np.zeros(n_runs, np.int64)
-    r, prev, end = -1, np.int64(-2), np.int64(0)
-    for i in range(n):  # pass 2: fill
-        v = flat[i]
-        if v < lo or v >= hi:
-            prev = -2
-        elif v == prev + 1 and v < end:
-            length[r] += 1
-            prev = v
-        else:
-            r += 1
-            t = np.searchsorted(bases, v, side="right") - 1
-            tid[r], hf_start[r], eng_start[r], length[r] = t, v - bases[t], i, 1
-            end = bases[t + 1]
-            prev = v
-    return n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length
 
 
 def _segments(param: str, hf_start: np.ndarray, eng_start: np.ndarray,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ from stitch_core.format import fingerprint as fpr
 
 _BLOCK = 1 << 22  # elements per step when hashing scattered runs
 _LONG_RUN = 1 << 16  # runs at least this long are hashed in place (no index arrays)
+_START_THREADS = 8  # threads for the start-up sums (the engine serves nothing yet)
 
 
 class ReplicaError(StitchError, RuntimeError):
@@ -159,7 +161,8 @@ class RankReplica:
         layout.rank_info = dict(self.rank_info)
         self.layout = layout
         learn_s = time.perf_counter() - t0
-        sums = self.sums()
+        # the engine's own compute threads (torch's count), as nothing is served yet
+        sums = self.sums(threads=min(torch.get_num_threads(), _START_THREADS))
         mapped = {n: sum(s.n_elems for s in t.segments) for n, t in self.layout.tensors.items()}
         return rpc.SetupReply(
             rank=self.rank_info, sums=sums, mapped=mapped, learn_s=learn_s,
@@ -174,38 +177,46 @@ class RankReplica:
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)
 
-    def sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
-        """Per tensor: sum of h over every copy this rank holds (mod 2^64)."""
+    def sums(self, names: Iterable[str] | None = None, threads: int = 1) -> dict[str, int]:
+        """Per tensor: sum of h over every copy this rank holds (mod 2^64). `threads` > 1 sums
+        tensors in parallel (the hashing kernels release the GIL): start-up, when nothing else
+        runs; a check while the engine serves keeps to one thread."""
         layout = self._layout()
         params = self._params()
-        out = {}
-        for name in names if names is not None else layout.tensors:
-            tm = layout.tensors.get(name)
-            total = 0
-            if tm is None:  # no copy of it on this rank (others may hold it)
-                out[name] = 0
-                continue
-            for seg in tm.segments:
-                flat = params[seg.param].data.reshape(-1)
-                for i in np.flatnonzero(seg.length >= _LONG_RUN).tolist():
-                    e, h, n = int(seg.eng_start[i]), int(seg.hf_start[i]), int(seg.length[i])
-                    for s in range(0, n, _BLOCK):
-                        m = min(_BLOCK, n - s)
-                        vals = flat[e + s: e + s + m]
-                        if vals.dtype != tm.hf_dtype:
-                            total += _INEXACT * _inexact(vals, tm.hf_dtype)
-                            vals = vals.to(tm.hf_dtype)
-                        total += fpr.fingerprint(name, vals, offset=h + s)
-                for idx in _run_blocks(seg):
-                    hpos, epos = _expand(seg, idx)
-                    ept = torch.from_numpy(epos).to(flat.device)
-                    vals = flat[ept]
-                    total += _INEXACT * _inexact(vals, tm.hf_dtype)
-                    bits = _hf_bits(vals, tm.hf_dtype)
-                    total += fpr.sum_at(name, torch.from_numpy(hpos).to(bits.device), bits,
-                                        tm.hf_dtype.itemsize)
-            out[name] = total & fpr.MASK64
-        return out
+        todo = list(names if names is not None else layout.tensors)
+        if threads > 1 and len(todo) > 1:
+            with ThreadPoolExecutor(min(threads, len(todo))) as ex:
+                totals = list(ex.map(lambda n: self._sum_tensor(layout, params, n), todo))
+        else:
+            totals = [self._sum_tensor(layout, params, n) for n in todo]
+        return dict(zip(todo, totals, strict=True))
+
+    def _sum_tensor(self, layout: Layout, params: Mapping[str, torch.nn.Parameter],
+                    name: str) -> int:
+        tm = layout.tensors.get(name)
+        total = 0
+        if tm is None:  # no copy of it on this rank (others may hold it)
+            return 0
+        for seg in tm.segments:
+            flat = params[seg.param].data.reshape(-1)
+            for i in np.flatnonzero(seg.length >= _LONG_RUN).tolist():
+                e, h, n = int(seg.eng_start[i]), int(seg.hf_start[i]), int(seg.length[i])
+                for s in range(0, n, _BLOCK):
+                    m = min(_BLOCK, n - s)
+                    vals = flat[e + s: e + s + m]
+                    if vals.dtype != tm.hf_dtype:
+                        total += _INEXACT * _inexact(vals, tm.hf_dtype)
+                        vals = vals.to(tm.hf_dtype)
+                    total += fpr.fingerprint(name, vals, offset=h + s)
+            for idx in _run_blocks(seg):
+                hpos, epos = _expand(seg, idx)
+                ept = torch.from_numpy(epos).to(flat.device)
+                vals = flat[ept]
+                total += _INEXACT * _inexact(vals, tm.hf_dtype)
+                bits = _hf_bits(vals, tm.hf_dtype)
+                total += fpr.sum_at(name, torch.from_numpy(hpos).to(bits.device), bits,
+                                    tm.hf_dtype.itemsize)
+        return total & fpr.MASK64
 
     def _layout(self) -> Layout:
         if self.layout is None:

@@ -1,0 +1,94 @@
+"""The integer shadows of layout learning: their memory, and the scan that reads them as runs.
+
+One job, about 110 lines: `layout.learn_layout` swaps every engine parameter of a group for an
+integer shadow, has the model's loaders fill it with index values, and scans it into runs. The
+shadows and index tensors of every group come from one `IndexPool` (allocated once, for the
+largest group: fresh allocations cost a page fault per 4 KiB, which was most of learning's time
+at 0.6B), and `scan_runs` reads a shadow in one pass that checks long runs eight elements at a
+time (benchmarks/startup.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stitch_core._jit import numba
+
+
+class IndexPool:
+    """Reusable flat buffers, one per (purpose, dtype, device), grown when a larger one is asked
+    for. Learn the largest group first and every page is touched once."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+
+    def take(self, purpose: str, n: int, dtype: torch.dtype,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+        key = (purpose, dtype, str(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            self._bufs.pop(key, None)  # free the smaller one first
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+@numba.njit(cache=True, nogil=True)
+def _grow(a, n):  # pragma: no cover - compiled
+    out = np.empty(n, np.int64)
+    out[: a.shape[0]] = a
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def scan_runs(flat, bases):  # pragma: no cover - compiled
+    """One pass over a filled integer shadow (engine order): its runs of consecutive index values
+    at consecutive engine positions within one tensor of the group. Returns (constant count,
+    unwritten count, foreign count, run tensor ids, HF starts, engine starts, lengths). Values:
+    -1 never written, 0 a constant from a loader, v in [bases[t], bases[t+1]) HF element
+    v - bases[t] of tensor t, anything else foreign."""
+    n = flat.shape[0]
+    lo, hi = bases[0], bases[bases.shape[0] - 1]
+    n_const = n_unwritten = n_foreign = 0
+    cap = 1024
+    tid = np.empty(cap, np.int64)
+    hf_start = np.empty(cap, np.int64)
+    eng_start = np.empty(cap, np.int64)
+    length = np.empty(cap, np.int64)
+    r = 0
+    i = 0
+    while i < n:
+        v = np.int64(flat[i])
+        if v < lo or v >= hi:
+            if v == 0:
+                n_const += 1
+            elif v < 0:
+                n_unwritten += 1
+            else:
+                n_foreign += 1
+            i += 1
+            continue
+        t = np.searchsorted(bases, v, side="right") - 1
+        lim = min(n - i, bases[t + 1] - v)  # the run cannot pass the shadow's or tensor's end
+        k = 1
+        while k + 8 <= lim:  # eight at a time: one branch per block
+            d = np.int64(0)
+            for q in range(8):
+                d |= np.int64(flat[i + k + q]) ^ (v + k + q)
+            if d != 0:
+                break
+            k += 8
+        while k < lim and np.int64(flat[i + k]) == v + k:
+            k += 1
+        if r == cap:
+            cap *= 2
+            tid, hf_start = _grow(tid, cap), _grow(hf_start, cap)
+            eng_start, length = _grow(eng_start, cap), _grow(length, cap)
+        tid[r], hf_start[r], eng_start[r], length[r] = t, v - bases[t], i, k
+        r += 1
+        i += k
+    return (n_const, n_unwritten, n_foreign, tid[:r].copy(), hf_start[:r].copy(),
+            eng_start[:r].copy(), length[:r].copy())

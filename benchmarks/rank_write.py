@@ -46,7 +46,8 @@ from stitch_core.format import dtypes  # noqa: E402
 from stitch_core.format import fingerprint as fpr  # noqa: E402
 from stitch_dev.rank_baseline import Baseline, baseline  # noqa: E402
 
-SIZES = {  # Qwen2.5 shapes (untied lm_head)
+SIZES = {  # Qwen2.5 shapes (untied lm_head); "smoke" checks the script in seconds
+    "smoke": ModelShape(hidden=128, intermediate=384, layers=2, vocab=1000, heads=2, kv_heads=1),
     "0.5b": ModelShape(hidden=896, intermediate=4864, layers=24, vocab=151936, heads=14,
                        kv_heads=2),
     "1.5b": ModelShape(hidden=1536, intermediate=8960, layers=28, vocab=151936, heads=12,

@@ -62,23 +62,23 @@ def pretrained_like(n_params: float, seed: int) -> dict[str, torch.Tensor]:
     """fp32 masters with the statistics of a pretrained checkpoint (see the module doc)."""
     shape = shape_for(n_params)
     g = torch.Generator().manual_seed(seed)
-    t4 = torch.distributions.StudentT(4.0)
-    out = {}
-    for name, s in shape.shapes().items():
-        if len(s) == 1:  # norms: exp(N(0, 0.6)) spans about a decade around 1
-            out[name] = torch.exp(0.6 * torch.randn(s, generator=g))
-            continue
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
-        w = t4.sample(s) * 0.02 / math.sqrt(2.0)  # t(4) has variance 2
-        rows = torch.exp(0.4 * torch.randn(s[0], 1, generator=g))
-        cols = torch.exp(0.3 * torch.randn(1, s[1], generator=g))
-        outliers = torch.randperm(s[1], generator=g)[: max(1, s[1] // 200)]
-        cols[0, outliers] *= 8.0  # a few outlier feature channels
-        if "embed_tokens" in name or "lm_head" in name:  # frequent tokens: larger rows
-            rank = torch.randperm(s[0], generator=g).to(torch.float32) + 1
-            rows = rows * (2.0 * rank.pow(-0.15).reshape(-1, 1) / rank.pow(-0.15).mean())
-        out[name] = (w * rows * cols).contiguous()
-    return out
+    return {name: pretrained_tensor(name, s, g) for name, s in shape.shapes().items()}
+
+
+def pretrained_tensor(name: str, s: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """One tensor of `pretrained_like` (draws from `g`: call in checkpoint order)."""
+    if len(s) == 1:  # norms: exp(N(0, 0.6)) spans about a decade around 1
+        return torch.exp(0.6 * torch.randn(s, generator=g))
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
+    w = torch.distributions.StudentT(4.0).sample(s) * 0.02 / math.sqrt(2.0)  # t(4): variance 2
+    rows = torch.exp(0.4 * torch.randn(s[0], 1, generator=g))
+    cols = torch.exp(0.3 * torch.randn(1, s[1], generator=g))
+    outliers = torch.randperm(s[1], generator=g)[: max(1, s[1] // 200)]
+    cols[0, outliers] *= 8.0  # a few outlier feature channels
+    if "embed_tokens" in name or "lm_head" in name:  # frequent tokens: larger rows
+        rank = torch.randperm(s[0], generator=g).to(torch.float32) + 1
+        rows = rows * (2.0 * rank.pow(-0.15).reshape(-1, 1) / rank.pow(-0.15).mean())
+    return (w * rows * cols).contiguous()
 
 
 def run_versions(start: str, n_params: float, lr: float, n: int, warm: int, seed: int,

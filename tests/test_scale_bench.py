@@ -1,0 +1,46 @@
+"""benchmarks/scale.py and benchmarks/rank_write.py on a tiny shape: behaviour, not timings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import rank_write  # noqa: E402
+import scale  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+def test_scale_smoke_run_reports_every_stage(tmp_path):
+    md, js, png = tmp_path / "s.md", tmp_path / "s.json", tmp_path / "s.png"
+    assert scale.main(["--sizes", "smoke", "--lrs", "1e-5", "--warm", "1", "--md", str(md),
+                       "--json", str(js), "--png", str(png)]) == 0
+    (row,) = json.loads(js.read_text())
+    shape = scale.SHAPES["smoke"]
+    assert row["params"] == shape.n_params
+    assert 0 < row["changed"] < row["params"] and row["bytes"] > 0
+    for key in ("project", "compare", "diff", "apply", "index_put", "write", "gather"):
+        assert row[key] > 0, key
+    assert row["first"][3] is False and row["restart"][3] is True  # the restart read the cache
+    text = md.read_text()
+    assert "## Engine side" in text and "| smoke | 1e-05 |" in text
+    assert png.stat().st_size > 10_000
+
+
+def test_rank_write_smoke_run_checks_the_write_against_the_view(tmp_path):
+    # rank_write exits with an error if a write's fingerprint deltas differ from the view's
+    md = tmp_path / "r.md"
+    assert rank_write.main(["--sizes", "smoke", "--fractions", "0.01,0.2", "--reps", "1",
+                            "--md", str(md)]) == 0
+    rows = [ln for ln in md.read_text().splitlines() if ln.startswith("| smoke")]
+    assert len(rows) == 2

@@ -140,3 +140,50 @@ def test_sums_report_a_copy_left_stale_behind_the_replica():
     with torch.no_grad():  # e.g. a write that bypassed the apply path
         m.model.proj.weight[0, 0] = 9.0
     assert rep.handle(rpc.Sums()).stale_derived == ["model.proj (toy)"]
+
+
+def test_an_apply_in_batches_rebuilds_the_copies_once_with_its_last_batch():
+    import numpy as np
+
+    m = Tied()
+    calls: list[set[str]] = []
+
+    def on_dirty(dirty):
+        calls.append(set(dirty))
+        params = engine_params(m)
+        derived.rebuild_from(m, [params[n] for n in dirty])
+
+    rep = RankReplica(m, on_dirty=on_dirty)
+    rep.setup(_shapes(m))
+    emb, proj = "model.embed_tokens.weight", "model.proj.weight"
+
+    def batch(name: str, pos: list[int], vals: list[float], last: bool):
+        rep.gather("b1", {name: np.asarray(pos, dtype=np.int32)})
+        return rep.write("b1", {name: torch.tensor(vals).view(torch.int32).numpy()}, last)
+
+    batch(emb, [0, 5], [1.5, -2.0], last=False)
+    assert calls == [] and derived.stale(m) != []  # copies rebuilt later, steps still held
+    batch(proj, [3], [0.25], last=False)
+    batch(emb, [9], [4.0], last=True)
+    assert calls == [{emb, proj}]  # once, for every parameter of every batch
+    assert derived.stale(m) == []
+    assert [w for _, w in rep.last_write] and len(rep.last_write) == 3  # all three batches
+    rep.undo("b1")  # one undo for the whole apply: every batch put back, copies rebuilt
+    assert calls[-1] == {emb, proj} and derived.stale(m) == []
+    assert m.model.embed_tokens.weight.reshape(-1)[5].item() != -2.0
+
+
+def test_a_last_batch_that_leaves_a_copy_stale_undoes_only_itself_and_raises():
+    import numpy as np
+
+    m = Tied()
+    rep = _replica(m, rebuild=False)
+    before = m.model.embed_tokens.weight.detach().clone()
+    name = "model.embed_tokens.weight"
+    rep.gather("c1", {name: np.asarray([1], dtype=np.int32)})
+    rep.write("c1", {name: torch.tensor([2.5]).view(torch.int32).numpy()}, False)  # no check yet
+    rep.gather("c1", {name: np.asarray([2], dtype=np.int32)})
+    with pytest.raises(ReplicaError, match="derived copies not rebuilt"):
+        rep.write("c1", {name: torch.tensor([3.5]).view(torch.int32).numpy()}, True)
+    rep.undo("c1")  # what the coordinator does next: the earlier batch is put back too
+    assert torch.equal(m.model.embed_tokens.weight, before)

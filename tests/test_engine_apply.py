@@ -156,8 +156,8 @@ async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path
     paths = await _fetch(board, m1, tmp_path)
     real_write = replicas[1].write
 
-    def lying_write(apply_id, values):  # writes, but reports a wrong delta (a layout bug)
-        out = real_write(apply_id, values)
+    def lying_write(apply_id, values, last=True):  # writes, reports a wrong delta (layout bug)
+        out = real_write(apply_id, values, last)
         name = next(iter(out.delta))
         out.delta[name] = (out.delta[name] + 1) & fpr.MASK64
         return out
@@ -447,16 +447,17 @@ async def test_a_bad_chunk_in_a_late_batch_undoes_the_earlier_batches(published,
     writes = []
     real_write = replicas[1].write
 
-    def counting_write(apply_id, values):
-        writes.append(apply_id)
+    def counting_write(apply_id, values, last=True):
+        writes.append((apply_id, last))
         if len(writes) == 4:
             raise RuntimeError("rank 1 fails in the fourth batch")
-        return real_write(apply_id, values)
+        return real_write(apply_id, values, last)
 
     replicas[1].write = counting_write
     with pytest.raises(RuntimeError, match="fourth batch"):
         await coord.apply_patch(m1, paths)
-    assert len(writes) == 4 and len(set(writes)) == 1  # one apply id for every batch
+    assert len(writes) == 4 and len({a for a, _ in writes}) == 1  # one apply id for all batches
+    assert not any(last for _, last in writes)  # more batches were to come
     assert coord.version == 0 and (await coord.verify())["ok"]
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
     replicas[1].write = real_write

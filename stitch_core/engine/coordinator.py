@@ -268,9 +268,10 @@ class Coordinator(HeldState):
         return await asyncio.to_thread(self._decode, plan, gathered, running)
 
     async def _each(self, patch, batches, aid: str, running: dict[str, int],
-                    timing: dict[str, float]) -> AsyncIterator[dict[str, np.ndarray]]:
-        for batch in batches:
-            yield await self._prepare(patch, batch, aid, running, timing)
+                    timing: dict[str, float]
+                    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+        for i, batch in enumerate(batches):
+            yield await self._prepare(patch, batch, aid, running, timing), i == len(batches) - 1
 
     def _positions(self, batch) -> dict[str, Any]:
         plan: dict[str, Any] = {}
@@ -329,7 +330,7 @@ class Coordinator(HeldState):
                 for e in entries}
 
     async def _write(self, m: Manifest, aid: str,
-                     batches: AsyncIterator[dict[str, np.ndarray]],
+                     batches: AsyncIterator[tuple[dict[str, np.ndarray], bool]],
                      fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
         async with self.gate.applying(m.version) as handle:
             t0 = time.perf_counter()
@@ -341,12 +342,14 @@ class Coordinator(HeldState):
             try:
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
                     deltas: dict[str, int] = {}
-                    async for new in batches:  # one batch, or bounded ones (same apply id)
-                        batch_replies = await self.call_ranks(rpc.Write(aid, new))
+                    rank_s = 0.0  # per batch the slowest rank, summed
+                    async for new, last in batches:  # one batch, or bounded ones (same apply id)
+                        batch_replies = await self.call_ranks(rpc.Write(aid, new, last))
                         for name in new:
                             deltas[name] = (deltas.get(name, 0)
                                             + sum(r.delta[name] for r in batch_replies))
                         replies.extend(batch_replies)
+                        rank_s += max((r.seconds for r in batch_replies), default=0.0)
                     for name, got in deltas.items():
                         want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
                             & fpr.MASK64
@@ -384,7 +387,7 @@ class Coordinator(HeldState):
                 raise EngineStateError(f"v{m.version}: commit failed and the weights could not "
                                        "be proven afterwards") from e
         return {"write_s": write_s, "pause_s": pause_s,
-                "write_rank_s": max((r.seconds for r in replies), default=0.0)}
+                "write_rank_s": rank_s}
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
         """Load a whole version through the engine's loader, then prove it."""
@@ -431,5 +434,5 @@ class Coordinator(HeldState):
                 log.debug("after_apply hook: %s", e)
 
 
-async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
-    yield item
+async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+    yield item, True

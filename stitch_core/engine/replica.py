@@ -280,8 +280,12 @@ class RankReplica:
                                      old_bits[idx].numpy())
         return rpc.GatherReply(out, time.perf_counter() - t0)
 
-    def write(self, apply_id: str, values: Mapping[str, np.ndarray]) -> rpc.WriteReply:
-        """Write new bits (every position of each gathered tensor, in gather order)."""
+    def write(self, apply_id: str, values: Mapping[str, np.ndarray],
+              last: bool = True) -> rpc.WriteReply:
+        """Write new bits (every position of each gathered tensor, in gather order). An apply
+        written in several batches (same id) rebuilds and proves the derived copies once, with
+        its `last` batch, for every parameter any of its batches wrote (steps are held
+        throughout, so nothing reads a copy in between)."""
         if apply_id != self._plan_id:
             raise ReplicaError(f"write {apply_id} without a matching gather ({self._plan_id})")
         layout = self._layout()
@@ -324,11 +328,14 @@ class RankReplica:
                 deltas[name] = d & fpr.MASK64
                 if self.failpoints.armed:  # tests: fail here, part of the write done
                     self.failpoints.hit("write", i + 1, len(values))
-            if dirty:
-                self.on_dirty(dirty)
+            earlier = self._undo_id == apply_id  # batches of this apply written before
+            all_dirty = dirty | (self._dirty if earlier else set())
+            if last and all_dirty:
+                self.on_dirty(all_dirty)
                 # what the kernels read: every derived copy built from what was written must have
                 # been rebuilt from the bytes that are there now
-                stale = derived.stale(self.model, [flat for flat, _, _ in undo])
+                flats = [flat for flat, _, _ in (self._undo if earlier else [])]
+                stale = derived.stale(self.model, flats + [flat for flat, _, _ in undo])
                 if stale:
                     raise ReplicaError(f"derived copies not rebuilt after the write (kernels would "
                                        f"read old values): {', '.join(stale[:5])}; undone")
@@ -338,9 +345,10 @@ class RankReplica:
         if self._undo_id == apply_id:  # a later batch of the same apply: one undo for all
             self._undo.extend(undo)
             self._dirty |= dirty
+            self.last_write += [(flat, eng) for flat, eng, _ in undo]
         else:
             self._undo, self._undo_id, self._dirty = undo, apply_id, dirty
-        self.last_write = [(flat, eng) for flat, eng, _ in undo]
+            self.last_write = [(flat, eng) for flat, eng, _ in undo]
         if self.failpoints.armed:  # tests: all written (undo record kept), then the call fails
             self.failpoints.hit("written")
         return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
@@ -425,8 +433,8 @@ class RankReplica:
                 return rpc.SumsReply(self.sums(names), derived.stale(self.model))
             case rpc.Gather(aid, positions):
                 return self.gather(aid, positions)
-            case rpc.Write(aid, values):
-                return self.write(aid, values)
+            case rpc.Write(aid, values, last):
+                return self.write(aid, values, last)
             case rpc.Undo(aid):
                 return self.undo(aid)
             case rpc.Commit(aid):

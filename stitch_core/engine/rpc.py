@@ -103,10 +103,12 @@ class GatherReply:
 
 @dataclass(frozen=True)
 class Write:
-    """Apply `id`, step 2: new bits for every gathered position of each tensor, in gather order."""
+    """Apply `id`, step 2: new bits for every gathered position of each tensor, in gather order.
+    `last` False: more batches of this apply follow (derived copies are rebuilt with the last)."""
 
     id: str
     values: dict[str, np.ndarray]
+    last: bool = True
 
 
 @dataclass(frozen=True)

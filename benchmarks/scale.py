@@ -4,12 +4,14 @@
 Per Qwen2.5 shape (0.5B, 1.5B, 3B; 7B for the trainer side only: its engine side does not fit in
 24 GiB next to the views) and learning rate, on the CPU, one torch thread:
 
-* **weights**: `squash.pretrained_tensor` (heavy tails, row/column scales, outlier columns,
-  Zipf-scaled embedding rows), fp32, tensor by tensor so that 7B fits: each tensor is drawn, runs
-  `--warm` AdamW steps (betas 0.9/0.999, wd 0.01) on synthetic gradients with `adam_data`'s
-  structure (a drifting rank-4 signal plus iid noise at twice its std, a per-tensor scale, Zipf
-  rows for the embedding), then one measured step; its bf16 views before and after that step
-  are the version pair.
+* **weights**: the statistics of `squash.pretrained_tensor` (Student-t(4) tails, row/column
+  scales, outlier columns, Zipf-scaled embedding rows; t(4) drawn as a normal over the root of a
+  chi-square(4) from two uniforms, cheaper than torch's sampler at billions of elements), fp32,
+  tensor by tensor so that 7B fits: each tensor is drawn, runs `--warm` AdamW steps (betas
+  0.9/0.999, wd 0.01, torch's fused CPU AdamW) on synthetic gradients with `adam_data`'s structure
+  (a drifting rank-4 signal plus iid noise at twice its std, a per-tensor scale, Zipf rows for the
+  embedding), then one measured step; its bf16 views before and after that step are the version
+  pair. Drawing and training use `--synth-threads`; everything timed runs on one thread.
 * **trainer side**, per tensor, summed: the projection to the served view (what a publish blocks
   the training loop for), a bare compare -> nonzero of the two views, `stitch_core.diff`
   (diff + encode, base fingerprints computed outside the timer), the patch's bytes.
@@ -48,7 +50,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from adam_data import NOISE_TO_SIGNAL, SIGNAL_RANK, SIGNAL_RHO, ModelShape  # noqa: E402
 from rank_write import FusedEngine  # noqa: E402
-from squash import pretrained_tensor  # noqa: E402
 
 import stitch_core  # noqa: E402
 from stitch_core.engine.layout_cache import LayoutCache  # noqa: E402
@@ -69,6 +70,24 @@ SHAPES = {  # Qwen2.5 shapes, lm_head untied; "smoke" checks the script in secon
                      kv_heads=4),
 }
 TRAINER_ONLY = {"7b"}
+
+
+def pretrained_tensor(name: str, s: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """squash.pretrained_tensor's statistics with a cheaper t(4) draw (same scales)."""
+    if len(s) == 1:  # norms: exp(N(0, 0.6)) spans about a decade around 1
+        return torch.exp(0.6 * torch.randn(s, generator=g))
+    chi2_4 = torch.rand(s, generator=g).mul_(torch.rand(s, generator=g)).log_().mul_(-2.0)
+    w = torch.randn(s, generator=g).div_(chi2_4.div_(4.0).sqrt_())  # t(4): variance 2
+    del chi2_4
+    w.mul_(0.02 / math.sqrt(2.0))
+    rows = torch.exp(0.4 * torch.randn(s[0], 1, generator=g))
+    cols = torch.exp(0.3 * torch.randn(1, s[1], generator=g))
+    outliers = torch.randperm(s[1], generator=g)[: max(1, s[1] // 200)]
+    cols[0, outliers] *= 8.0  # a few outlier feature channels
+    if "embed_tokens" in name or "lm_head" in name:  # frequent tokens: larger rows
+        rank = torch.randperm(s[0], generator=g).to(torch.float32) + 1
+        rows = rows * (2.0 * rank.pow(-0.15).reshape(-1, 1) / rank.pow(-0.15).mean())
+    return w.mul_(rows).mul_(cols).contiguous()
 
 
 def grads(name: str, shape: tuple[int, ...], steps: int, vocab: int, g: torch.Generator):
@@ -113,7 +132,8 @@ def best_on_clones(view: dict[str, torch.Tensor], fn, reps: int = 3) -> float:
     return t
 
 
-def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool, log):
+def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool, log,
+                 synth_threads: int = 2):
     """Per tensor: the bf16 views before/after one AdamW step and the trainer-side timings.
     Returns (prev views or None, {name: (positions, new bits)}, totals)."""
     g = torch.Generator().manual_seed(seed)
@@ -124,8 +144,9 @@ def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool,
     t_start = time.perf_counter()
     names = list(shape.shapes().items())
     for i, (name, s) in enumerate(names):
+        torch.set_num_threads(synth_threads)
         w = pretrained_tensor(name, s, g).requires_grad_(True)
-        opt = torch.optim.AdamW([w], lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+        opt = torch.optim.AdamW([w], lr=lr, betas=(0.9, 0.999), weight_decay=0.01, fused=True)
         steps = grads(name, s, warm + 1, shape.vocab, g)
         for _ in range(warm):
             w.grad = next(steps)
@@ -134,6 +155,7 @@ def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool,
         w.grad = next(steps)
         opt.step()
         del opt
+        torch.set_num_threads(1)  # everything timed: one thread
         m = {name: w.detach()}
         t0 = time.perf_counter()
         b = views.project(m, "bf16")
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lrs", default="1e-6,3e-6")
     ap.add_argument("--warm", type=int, default=3, help="AdamW steps before the measured one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--synth-threads", type=int, default=2, help="threads drawing and training")
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
@@ -210,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         for lr in (float(x) for x in a.lrs.split(",")):
             engine = size not in TRAINER_ONLY
             log(f"{size} lr {lr:g}: weights, AdamW and the trainer side")
-            view, edits, tot = version_pair(shape, lr, a.warm, a.seed, engine, log)
+            view, edits, tot = version_pair(shape, lr, a.warm, a.seed, engine, log,
+                                            a.synth_threads)
             row = {"size": size, "lr": lr, **tot}
             if engine:
                 log(f"{size} lr {lr:g}: engine side")

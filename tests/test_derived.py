@@ -187,3 +187,17 @@ def test_a_last_batch_that_leaves_a_copy_stale_undoes_only_itself_and_raises():
         rep.write("c1", {name: torch.tensor([3.5]).view(torch.int32).numpy()}, True)
     rep.undo("c1")  # what the coordinator does next: the earlier batch is put back too
     assert torch.equal(m.model.embed_tokens.weight, before)
+
+
+def test_not_rebuilt_names_touched_copies_stamped_before_the_mark():
+    m = Tied()
+    w, p = m.model.embed_tokens.weight, m.model.proj.weight
+    mark = derived.generation()
+    # both copies built from the shared embedding predate the mark; proj was not written
+    assert derived.not_rebuilt(m, [w], mark) == ["lm_head (toy)", "model.embed_tokens (toy)"]
+    assert derived.not_rebuilt(m, [p], mark) == ["model.proj (toy)"]
+    derived.rebuild_from(m, [w])
+    assert derived.not_rebuilt(m, [w], mark) == []
+    assert derived.not_rebuilt(m, [w, p], mark) == ["model.proj (toy)"]
+    later = derived.generation()
+    assert derived.not_rebuilt(m, [w], later) != []  # a new write needs a new rebuild

@@ -14,8 +14,12 @@ copy is built from, how to rebuild it). This module then
   the lm_head's copies;
 * proves a copy current (`stale`): each copy carries a stamp, the BLAKE2b digest of its sources'
   bytes at the moment it was built; a copy whose sources no longer hash to its stamp was not
-  rebuilt after they changed. The rank checks the copies an apply touched inside the write (a stale
-  one undoes the apply) and every copy on a full check (``/stitch/verify``);
+  rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``). Inside
+  an apply's write (the engine pause) the rank asks `not_rebuilt` instead: every copy built from
+  what the write changed must have been stamped after the write began (each stamp takes a new
+  generation number). That stamp hashed the bytes as they were then and nothing writes between
+  the rebuild and the commit, so it proves the same without hashing every touched weight a
+  second time in the pause (at 0.63B on vLLM's packed CPU layouts, ~1 s);
 * names what it cannot keep in step (`unmanaged`): a module attribute that is a closure over a
   tensor or an opaque object (the shape vLLM's packed kernels take) that no adapter registered.
 
@@ -26,6 +30,7 @@ deterministic; it does not re-check the packing function itself. Engine-agnostic
 from __future__ import annotations
 
 import hashlib
+import itertools
 import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,9 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["DerivedCopy", "register", "copies", "rebuild_from", "stale", "unmanaged", "kinds",
-           "digest"]
+           "digest", "generation", "not_rebuilt"]
 
 ATTR = "_stitch_derived"
+_GENERATIONS = itertools.count(1)  # stamps and apply marks, in the order they happen
 # closures over these are not derived state (configuration, other code)
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, types.FunctionType,
           types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, torch.nn.Module)
@@ -52,9 +58,11 @@ class DerivedCopy:
     rebuild: Callable[[], object]
     holders: tuple[str, ...] = ()
     stamp: bytes = field(default=b"", repr=False)
+    built: int = 0  # the generation of the last stamp
 
     def restamp(self) -> None:
         self.stamp = digest(self.sources.values())
+        self.built = next(_GENERATIONS)
 
     def current(self) -> bool:
         return digest(self.sources.values()) == self.stamp
@@ -119,6 +127,19 @@ def stale(model: torch.nn.Module, written: Iterable[torch.Tensor] | None = None)
     storages = None if written is None else _storages(written)
     return sorted(f"{name} ({dc.kind})" for name, dc in copies(model)
                   if (storages is None or _touches(dc, storages)) and not dc.current())
+
+
+def generation() -> int:
+    """A mark: every stamp taken after this call has a larger generation."""
+    return next(_GENERATIONS)
+
+
+def not_rebuilt(model: torch.nn.Module, written: Iterable[torch.Tensor], since: int) -> list[str]:
+    """Copies built from storage that `written` shares whose last stamp is older than the mark
+    `since`: what a write since then changed and nobody rebuilt. No hashing (see the module doc)."""
+    storages = _storages(written)
+    return sorted(f"{name} ({dc.kind})" for name, dc in copies(model)
+                  if _touches(dc, storages) and dc.built < since)
 
 
 def kinds(model: torch.nn.Module) -> dict[str, int]:

@@ -331,11 +331,13 @@ class RankReplica:
             earlier = self._undo_id == apply_id  # batches of this apply written before
             all_dirty = dirty | (self._dirty if earlier else set())
             if last and all_dirty:
+                mark = derived.generation()
                 self.on_dirty(all_dirty)
                 # what the kernels read: every derived copy built from what was written must have
-                # been rebuilt from the bytes that are there now
+                # been rebuilt (and stamped) since, from the bytes that are there now
                 flats = [flat for flat, _, _ in (self._undo if earlier else [])]
-                stale = derived.stale(self.model, flats + [flat for flat, _, _ in undo])
+                stale = derived.not_rebuilt(self.model, flats + [flat for flat, _, _ in undo],
+                                            mark)
                 if stale:
                     raise ReplicaError(f"derived copies not rebuilt after the write (kernels would "
                                        f"read old values): {', '.join(stale[:5])}; undone")

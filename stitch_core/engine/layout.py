@@ -1,8 +1,8 @@
 """Layout maps: where each element of a served-view (HF) tensor lives in an engine's parameters.
 
-Size: about 470 lines, one job: learning where each served-view element lives in an engine's
-parameters. Learning the map (the integer shadows) and its run encoding are one algorithm: the
-numba scans read what the shadows hold.
+Size: about 450 lines, one job: learning where each served-view element lives in an engine's
+parameters. Learning the map (the integer shadows) and its run encoding are one algorithm; the
+shadows' memory pool and the numba scan that reads them live in `layout_scan`.
 
 A Stitch patch addresses the *served view*: HF tensor names, flat positions in HF shape, new bits.
 Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into

@@ -1,6 +1,6 @@
 """Rank side of an in-place engine apply: gather old bits, write new bits, prove what was written.
 
-Size: about 410 lines, one job: the rank side of the apply protocol (gather, write with
+Size: about 455 lines, one job: the rank side of the apply protocol (gather, write with
 read-back, undo / commit, sums, whole-tensor loads) over one rank's layout; the bit helpers above
 `RankReplica` exist only for its writes and sums.
 

@@ -39,6 +39,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,12 +66,19 @@ def pretrained_like(n_params: float, seed: int) -> dict[str, torch.Tensor]:
     return {name: pretrained_tensor(name, s, g) for name, s in shape.shapes().items()}
 
 
-def pretrained_tensor(name: str, s: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """One tensor of `pretrained_like` (draws from `g`: call in checkpoint order)."""
+def pretrained_tensor(name: str, s: tuple[int, ...], g: torch.Generator,
+                      t4: Callable[[tuple[int, ...], torch.Generator], torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+    """One tensor of `pretrained_like` (draws from `g`: call in checkpoint order). `t4` draws
+    the Student-t(4) values (default: torch's sampler, seeded from `g`)."""
     if len(s) == 1:  # norms: exp(N(0, 0.6)) spans about a decade around 1
         return torch.exp(0.6 * torch.randn(s, generator=g))
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
-    w = torch.distributions.StudentT(4.0).sample(s) * 0.02 / math.sqrt(2.0)  # t(4): variance 2
+    if t4 is None:
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
+        w = torch.distributions.StudentT(4.0).sample(s)
+    else:
+        w = t4(s, g)
+    w = w * 0.02 / math.sqrt(2.0)  # t(4) has variance 2
     rows = torch.exp(0.4 * torch.randn(s[0], 1, generator=g))
     cols = torch.exp(0.3 * torch.randn(1, s[1], generator=g))
     outliers = torch.randperm(s[1], generator=g)[: max(1, s[1] // 200)]

@@ -1,12 +1,12 @@
 """The rank write's hot path: scatter new bits into an engine tensor, read them back, hash them.
 
-One job, about 75 lines. `write_and_sum` writes served-view bits at engine positions and returns
-the partial fingerprint of what is there *afterwards* (read back after every write of the call),
-so the coordinator's check of the summed deltas proves memory, not intent. On CPU, where the
-engine keeps the served dtype, that is one numba kernel with two passes (write all, then read back
-and hash): about the cost of a bare `index_put_` (benchmarks/rank_write.py), where torch's
-`index_put_`, a gather back and a hash pass cost ~2.4x. Elsewhere (accelerators, engines that keep
-a wider dtype) it is those torch steps.
+One job, about 65 lines. `write_read_back_sum` writes served-view bits at engine positions and
+returns the partial fingerprint of what is there *afterwards* (read back after every write of the
+call), so the coordinator's check of the summed deltas proves memory, not intent. On CPU, where
+the engine keeps the served dtype, that is one numba kernel with two passes (write all, then read
+back and hash): 1.4-2.1x a bare `index_put_` of the same elements at 0.5B/1.5B shapes, where
+torch's `index_put_`, a gather back and a hash pass cost 2.0-2.5x (benchmarks/rank_write.py).
+Elsewhere (accelerators, engines that keep a wider dtype) it is those torch steps.
 """
 
 from __future__ import annotations

@@ -213,7 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--from-json", type=Path,
+                    help="render --md / --png from an earlier run's --json, run nothing")
     a = ap.parse_args(argv)
+    if a.from_json:
+        rows = json.loads(a.from_json.read_text())
+        text = report(rows, a, float("nan"), sys.argv[1:] if argv is None else argv)
+        print(text)
+        if a.md:
+            a.md.write_text(text)
+        if a.png:
+            plot(rows, a.png)
+        return 0
     torch.set_num_threads(1)
     t_all = time.perf_counter()
 
@@ -256,11 +267,12 @@ def fmt_row(r: dict) -> str:
 
 
 def report(rows: list[dict], a: argparse.Namespace, total_s: float, shown: list[str]) -> str:
+    took = "rendered from a run's --json" if math.isnan(total_s) else f"total {total_s:.0f} s"
     lines = [
         "# One version at realistic shapes (benchmarks/scale.py)", "",
         f"`benchmarks/scale.py {' '.join(shown)}` (read its docstring); "
         f"{platform.machine()}, torch {torch.__version__}, one torch thread; AdamW "
-        f"{a.warm} warm-up steps then the measured one; total {total_s:.0f} s.", "",
+        f"{a.warm} warm-up steps then the measured one; {took}.", "",
         "## Trainer side and core apply (sums over tensors)", "",
         "| model | params | lr | changed | patch MB | bits/changed | project ms | compare ms | "
         "diff+encode ms | / compare | decode+apply ms | index_put_ ms | / index_put_ |",
@@ -299,7 +311,39 @@ def report(rows: list[dict], a: argparse.Namespace, total_s: float, shown: list[
                 f"{1e3 * r['write']:.0f} | {1e3 * r['write_index_put']:.0f} | "
                 f"**{r['write'] / r['write_index_put']:.2f}x** | "
                 f"{1e9 * r['write'] / max(r['changed'], 1):.1f} |")
+    lines += extrapolate(rows)
     return "\n".join(lines) + "\n"
+
+
+LINK_BPS = 10e9  # a 10 Gb/s link
+BIG = 1e12  # parameters
+TP = 8
+
+
+def extrapolate(rows: list[dict]) -> list[str]:
+    """Per-element rates of the largest measured shape, carried to 1T parameters."""
+    out = ["", "## Carried to 1T parameters (arithmetic, not a measurement)", "",
+           f"Rates per element of the largest shape measured at each lr, times {BIG:.0e} "
+           f"parameters; a 10 Gb/s link; TP={TP} per node. One CPU thread for every Stitch step "
+           "(nothing here ran on a GPU).", "",
+           "| lr | from | changed | patch GB | on the link s | full bf16 checkpoint on the link s "
+           "| trainer diff+encode, per 1B params of a rank's shard, s | node decode+apply "
+           "(one thread, whole patch) s | rank write (pause) per rank s |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for lr in sorted({r["lr"] for r in rows}):
+        rs = [r for r in rows if r["lr"] == lr]
+        t = max(rs, key=lambda r: r["params"])
+        e = max((r for r in rs if "write" in r), key=lambda r: r["params"], default=None)
+        frac = t["changed"] / t["params"]
+        changed = frac * BIG
+        patch = t["bytes"] / t["params"] * BIG
+        apply_ns = t["apply"] / max(t["changed"], 1)
+        write = (f"{e['write'] / max(e['changed'], 1) * changed / TP:.0f} ({e['size']})"
+                 if e else "-")
+        out.append(f"| {lr:g} | {t['size']} | {100 * frac:.2f}% | {patch / 1e9:.1f} | "
+                   f"{patch * 8 / LINK_BPS:.1f} | {2 * BIG * 8 / LINK_BPS:.0f} | "
+                   f"{t['diff'] / t['params'] * 1e9:.1f} | {apply_ns * changed:.0f} | {write} |")
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:

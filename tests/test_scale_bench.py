@@ -35,6 +35,12 @@ def test_scale_smoke_run_reports_every_stage(tmp_path):
     text = md.read_text()
     assert "## Engine side" in text and "| smoke | 1e-05 |" in text
     assert png.stat().st_size > 10_000
+    # the 1T arithmetic, and a re-render from the JSON alone gives the same tables
+    assert "## Carried to 1T parameters" in text
+    again = tmp_path / "again.md"
+    assert scale.main(["--from-json", str(js), "--md", str(again)]) == 0
+    tables = lambda t: [ln for ln in t.splitlines() if ln.startswith("|")]  # noqa: E731
+    assert tables(again.read_text()) == tables(text)
 
 
 def test_rank_write_smoke_run_checks_the_write_against_the_view(tmp_path):

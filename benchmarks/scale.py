@@ -351,6 +351,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, lr in zip(axes, sorted({r["lr"] for r in rows}), strict=False):
@@ -368,6 +369,9 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot(ex, [r["restart"][2] for r in er], ":v", label="restart (cached layout)")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([0.5, 1, 2, 3, 5, 7, 10]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel("seconds per version, one CPU thread")
         ax.set_title(f"AdamW lr {lr:g}, Qwen2.5 shapes")

@@ -42,6 +42,7 @@ PREFIX = "STITCH_"
 # The defaults, each written once: the Settings fields and the constructors use these.
 CACHE_MAX_BYTES = 20 << 30  # the node-local cache's cap (versions.cache)
 APPLY_MEMORY = 64 << 20  # patch bytes an apply decodes at a time (engine.coordinator)
+DECODE_THREADS = 4  # threads an apply decodes a batch's chunks with (engine.decode)
 MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers to salt it (serve.asgi)
 RECONCILE_INTERVAL = 5.0  # seconds between polls of `latest` (versions.follower)
 DRAIN_TIMEOUT = 30.0  # seconds a drain-mode apply waits for pinned requests (serve.gate)
@@ -188,7 +189,13 @@ class Settings(BaseModel):
         "(logged once) ([security.md](security.md)); also the `stitch` CLI's default `--trust`"))
     apply_memory: Bytes = Field(APPLY_MEMORY, description=(
         "bytes of patch the API server decodes at a time: a larger patch is gathered, decoded and "
-        "written in batches inside one pause (one transaction); a chunk over it is refused"))
+        "written in batches, the first while the engine serves, the others inside the pause (one "
+        "transaction); a chunk over it is refused"))
+    decode_threads: int = Field(DECODE_THREADS, ge=1, le=256, description=(
+        "threads the API server decodes a patch's chunks with (at most the host's CPU count); "
+        "batches after the first of a patch over `STITCH_APPLY_MEMORY` are decoded inside the "
+        "pause, so this shortens it "
+        "([benchmarks.md](benchmarks.md#parallel-decode))"))
     max_body_bytes: Bytes = Field(MAX_BODY_BYTES, description=(
         "the largest request body a version-controlled route accepts (the middleware reads it "
         "whole to salt it): larger is a 413"))
@@ -291,6 +298,8 @@ def _unit(name: str) -> str:
         return unit.text
     if f.annotation is bool:
         return "bool (`1`/`0`, `true`/`false`)"
+    if f.annotation is int:
+        return "integer"
     args = [a for a in get_args(f.annotation) if a is not type(None)]
     if get_args(f.annotation) and all(isinstance(a, str) for a in args):
         return " or ".join(f"`{a}`" for a in args)

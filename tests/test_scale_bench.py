@@ -1,8 +1,10 @@
-"""benchmarks/scale.py and benchmarks/rank_write.py on a tiny shape: behaviour, not timings."""
+"""benchmarks/scale.py, rank_write.py and decode_threads.py on a tiny shape: behaviour, not
+timings."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_threads  # noqa: E402
 import rank_write  # noqa: E402
 import scale  # noqa: E402
 
@@ -50,3 +53,17 @@ def test_rank_write_smoke_run_checks_the_write_against_the_view(tmp_path):
                             "--md", str(md)]) == 0
     rows = [ln for ln in md.read_text().splitlines() if ln.startswith("| smoke")]
     assert len(rows) == 2
+
+
+def test_decode_threads_smoke_run_follows_every_version_on_both_thread_counts(tmp_path):
+    # the run asserts the engine reached every version and verifies at the end; a small apply
+    # memory makes every patch several batches (decoded inside the pause)
+    md = tmp_path / "d.md"
+    assert decode_threads.main(["--size", "smoke", "--pairs", "1", "--threads", "2",
+                                "--apply-memory", "256KiB", "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "--size smoke" in text
+    summary = [ln.split("|") for ln in text.split("Per version:")[0].splitlines()
+               if ln[:3] in ("| 1", "| 2")]
+    assert [int(r[1]) for r in summary] == [1, min(2, os.cpu_count() or 1)]
+    assert all(int(r[2]) == 1 and int(r[4]) >= 2 for r in summary)  # 1 version each, batches

@@ -1,6 +1,6 @@
 """The node side of an engine follower: decode each patch once, drive every rank, prove the result.
 
-Size: about 430 lines, one job: one apply is one transaction (check, gather, decode, write,
+Size: about 390 lines, one job: one apply is one transaction (check, gather, decode, write,
 prove, commit or undo); splitting its steps over modules would hide the order that makes it
 safe.
 
@@ -41,10 +41,11 @@ import numpy as np
 import torch
 
 from stitch_core.engine import rpc
+from stitch_core.engine.decode import BatchDecoder
 from stitch_core.engine.ports import ApplyGate
 from stitch_core.engine.proof import EngineStateError, HeldState, Rpc, load_host
 from stitch_core.engine.rpc import index_dtype
-from stitch_core.format import codec, dtypes
+from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import (
     PatchSet,
@@ -52,10 +53,9 @@ from stitch_core.format.patch import (
     check_compatible,
     check_digests,
     chunk_list,
-    decode_chunk,
 )
 from stitch_core.format.stp import PatchError, PatchReader
-from stitch_core.settings import APPLY_MEMORY, LOAD_TIMEOUT, RPC_TIMEOUT
+from stitch_core.settings import APPLY_MEMORY, DECODE_THREADS, LOAD_TIMEOUT, RPC_TIMEOUT
 from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.served import ServedVersion
 from stitch_core.versions.store import Step
@@ -76,7 +76,8 @@ class Coordinator(HeldState):
                  pause: Hook | None = None, resume: Hook | None = None,
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
                  rpc_timeout: float | None = RPC_TIMEOUT, load_timeout: float | None = LOAD_TIMEOUT,
-                 apply_memory: int = DEFAULT_APPLY_MEMORY):
+                 apply_memory: int = DEFAULT_APPLY_MEMORY,
+                 decode_threads: int = DECODE_THREADS):
         """`gate`: what every apply runs through, and whose served version it records (None: a
         new `ServedVersion`, for a coordinator with no requests to gate)."""
         self.gate: ApplyGate = gate if gate is not None else ServedVersion()
@@ -84,8 +85,9 @@ class Coordinator(HeldState):
                          loader_fallback=loader_fallback, rpc_timeout=rpc_timeout,
                          load_timeout=load_timeout)
         # bytes an apply decodes at a time: a patch over it is applied in batches, each one
-        # gathered, decoded and written inside the pause (one transaction, one undo)
+        # gathered, decoded and written in the pause after the first (one transaction, one undo)
         self.apply_memory = int(apply_memory)
+        self.decoder = BatchDecoder(decode_threads)  # a batch's chunks decode on its threads
         self.pause, self.resume, self.after_apply = pause, resume, after_apply
         self.last_apply: dict[str, Any] | None = None
         # the last apply or load that failed once a rank may have written: undone and proven?
@@ -172,13 +174,12 @@ class Coordinator(HeldState):
                 fb_new = await asyncio.to_thread(self._decode_fallback, patch, fallback)
                 timing = {"gather_s": 0.0, "gather_rank_s": 0.0}
                 running: dict[str, int] = {}
-                if len(batches) <= 1:  # decoded while the engine serves, written in one pause
-                    first = await self._prepare(patch, batches[0] if batches else [], aid,
-                                                running, timing)
-                    stats = await self._write(m, aid, _once(first), fb_new)
-                else:  # bounded memory: each batch gathered, decoded and written in the pause
-                    stats = await self._write(m, aid, self._each(patch, batches, aid, running,
-                                                                 timing), fb_new)
+                # the first batch (a patch within the apply memory: all of it) is decoded while
+                # the engine serves; the others are gathered, decoded and written in the pause
+                first = await self._prepare(patch, batches[0] if batches else [], aid, running,
+                                            timing)
+                stats = await self._write(m, aid, self._each(patch, batches, first, aid, running,
+                                                             timing), fb_new)
             finally:
                 for r in readers:
                     r.close()
@@ -258,70 +259,22 @@ class Coordinator(HeldState):
                        timing: dict[str, float]) -> dict[str, np.ndarray]:
         """One batch: decode its positions, gather the old bits from the ranks, decode and check
         the new values. The new bits per tensor, in position order."""
-        plan = await asyncio.to_thread(self._positions, batch)
+        plan = await asyncio.to_thread(self.decoder.positions, batch)
         t_g = time.perf_counter()
         gathered: list[rpc.GatherReply] = await self.call_ranks(rpc.Gather(aid, {
             n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
             for n, (p, _) in plan.items()}))
         timing["gather_s"] += time.perf_counter() - t_g
         timing["gather_rank_s"] += max((g.seconds for g in gathered), default=0.0)
-        return await asyncio.to_thread(self._decode, plan, gathered, running)
+        return await asyncio.to_thread(self.decoder.values, plan, gathered, running, self.fps)
 
-    async def _each(self, patch, batches, aid: str, running: dict[str, int],
-                    timing: dict[str, float]
+    async def _each(self, patch, batches, first: dict[str, np.ndarray], aid: str,
+                    running: dict[str, int], timing: dict[str, float]
                     ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
-        for i, batch in enumerate(batches):
-            yield await self._prepare(patch, batch, aid, running, timing), i == len(batches) - 1
-
-    def _positions(self, batch) -> dict[str, Any]:
-        plan: dict[str, Any] = {}
-        for e, segs, last in batch:
-            chunks, pos = [], []
-            for reader, c in segs:
-                pb, vb = reader.read_chunk(c)
-                try:
-                    p = codec.decode_positions(c.pos, pb, c.start, c.stop, c.count)
-                except codec.CodecError as err:
-                    raise PatchError(f"{e.name}: corrupt patch data: {err}") from None
-                chunks.append((c, vb, len(p)))
-                pos.append(p)
-            plan[e.name] = (torch.from_numpy(np.concatenate(pos)), (e, chunks, last))
-        return plan
-
-    def _decode(self, plan, gathered: list[rpc.GatherReply], running: dict[str, int]
-                ) -> dict[str, np.ndarray]:
-        """New bits of a batch; each tensor's fingerprint is carried in `running` across
-        batches and checked against its target once its last chunk is decoded."""
-        new: dict[str, np.ndarray] = {}
-        for name, (pos, (e, chunks, last)) in plan.items():
-            dt = dtypes.info(e.dtype)
-            old = torch.empty(pos.numel(), dtype=dt.int_dtype)
-            held = torch.zeros(pos.numel(), dtype=torch.bool)
-            for g in gathered:
-                h_ = g.old[name]
-                bits = torch.from_numpy(np.ascontiguousarray(h_.bits).reshape(-1)).view(
-                    dt.int_dtype)
-                idx = (torch.arange(pos.numel()) if h_.index is None
-                       else torch.from_numpy(h_.index.astype(np.int64)))
-                old[idx] = bits
-                held[idx] = True
-            if not bool(held.all()):
-                raise EngineStateError(f"{name}: {int((~held).sum())} changed positions are held "
-                                       "by no rank (layout incomplete)")
-            got = running.get(name, self.fps[name])
-            out, s = [], 0
-            for c, vb, k in chunks:
-                p, o = pos[s:s + k], old[s:s + k].to(torch.int64)
-                s += k
-                v = decode_chunk(name, c, vb, o, dt, torch.device("cpu"))
-                got = fpr.update(got, name, p, o, v, dt.itemsize)
-                out.append(v.to(dt.int_dtype))
-            running[name] = got
-            if last and fpr.fmt(got) != e.target_fp:
-                raise PatchError(f"{name}: result fingerprint {fpr.fmt(got)} != {e.target_fp} "
-                                 "(corrupt patch?)")
-            new[name] = torch.cat(out).numpy()
-        return new
+        yield first, len(batches) <= 1
+        for i in range(1, len(batches)):
+            yield (await self._prepare(patch, batches[i], aid, running, timing),
+                   i == len(batches) - 1)
 
     def _decode_fallback(self, patch, entries) -> dict[str, torch.Tensor]:
         """Whole tensors for the engine's loader (loader fallback; outside the memory budget),
@@ -433,6 +386,3 @@ class Coordinator(HeldState):
             except Exception as e:  # e.g. a prefix cache that cannot be reset while busy
                 log.debug("after_apply hook: %s", e)
 
-
-async def _once(item: dict[str, np.ndarray]) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
-    yield item, True

@@ -17,7 +17,7 @@ over the device ranks through published versions; `verify` proves every copy). T
 check that cannot fail proves nothing). Needs the wheel's dependencies, no engine, no network;
 never part of `dev.py test`.
 
-Size: about 470 lines, one job: the check (its sections share the comparison, tampering and
+Size: about 480 lines, one job: the check (its sections share the comparison, tampering and
 report helpers, and the toy engine runs set up once).
 """
 
@@ -362,20 +362,27 @@ def timings(c: Checks, dev: torch.device, n: int, k: int, repeat: int) -> list[d
     patch = diff({name: a}, {name: b}, base_fingerprints={name: fp_a})
     rows = []
 
-    def row(op, seconds, bare=None, per="changed"):
+    def row(op, seconds, bare=None, per="changed", copy=None):
         per_m = seconds * 1e3 / ((k if per == "changed" else n) / 1e6)
         rows.append({"op": op, "ms": seconds * 1e3, "ms_per_1M": per_m, "per": per,
-                     "x_bare": None if bare is None else seconds / bare})
+                     "x_bare": None if bare is None else seconds / bare,
+                     "x_copy": None if copy is None else seconds / copy})
         return seconds
 
     reset = lambda: base.copy_(a)  # noqa: E731
     t_nz = row("bare torch.nonzero(a != b)", timed(lambda: torch.nonzero(ai != bi), repeat, sync))
     row("stitch diff (one tensor, base fp known)", timed(
         lambda: diff({name: a}, {name: b}, base_fingerprints={name: fp_a}), repeat, sync), t_nz)
+
+    def nz_down():  # what must reach the host: the changed positions and their new bits
+        idx = torch.nonzero(ai != bi).squeeze(1)
+        return idx.cpu(), bi[idx].cpu()
+
+    t_nzd = row("bare nonzero + positions, values to host", timed(nz_down, repeat, sync), t_nz)
     with mock.patch.object(codec, "encode_chunk", _uncoded):
         row("stitch diff, coding stubbed (device part)", timed(
             lambda: diff({name: a}, {name: b}, base_fingerprints={name: fp_a}), repeat, sync),
-            t_nz)
+            t_nz, copy=t_nzd)
     old = ai[pos].long()
     row("stitch fingerprint update (changed)", timed(
         lambda: fpr.update(fp_a, name, pos, old, vals.long(), 2), repeat, sync), t_nz)
@@ -384,9 +391,12 @@ def timings(c: Checks, dev: torch.device, n: int, k: int, repeat: int) -> list[d
     bflat = dtypes.int_view(base)
     t_ip = row("bare index_put_", timed(lambda: bflat.index_put_((pos,), vals), repeat, sync,
                                         reset))
+    pos_h, vals_h = pos.cpu(), vals.cpu()  # an engine's positions and values arrive on the host
+    t_ipu = row("bare positions, values to device + index_put_", timed(
+        lambda: bflat.index_put_((pos_h.to(dev),), vals_h.to(dev)), repeat, sync, reset), t_ip)
     row("stitch apply in place (format.apply)", timed(
         lambda: apply({name: base}, patch, inplace=True, base_fingerprints={name: fp_a}),
-        repeat, sync, reset), t_ip)
+        repeat, sync, reset), t_ip, copy=t_ipu)
     c.record("apply", f"timing size: {k} of {n} applied in place equal b", same_bits(b, base))
     rep = RankReplica(_Flat(n, dev))
     rep.model.weight.data.copy_(a)
@@ -398,7 +408,7 @@ def timings(c: Checks, dev: torch.device, n: int, k: int, repeat: int) -> list[d
         rep.write("t", {name: new_np})
 
     row("RankReplica gather + write + read-back", timed(
-        write, repeat, sync, lambda: rep.undo("t")), t_ip)
+        write, repeat, sync, lambda: rep.undo("t")), t_ip, copy=t_ipu)
     c.record("replica", "timing size: rank write equals b", same_bits(b, rep.model.weight))
     return rows
 
@@ -407,11 +417,12 @@ def timings(c: Checks, dev: torch.device, n: int, k: int, repeat: int) -> list[d
 
 
 def table(rows: list[dict]) -> str:
-    out = [f"{'operation':<42} {'median ms':>10} {'ms / 1M':>9} {'x bare':>7}", "-" * 71]
+    out = [f"{'operation':<46} {'median ms':>10} {'ms / 1M':>9} {'x bare':>7} {'x copy':>7}",
+           "-" * 83]
     for r in rows:
-        x = "" if r["x_bare"] is None else f"{r['x_bare']:.1f}"
+        x, xc = ("" if r.get(f) is None else f"{r[f]:.1f}" for f in ("x_bare", "x_copy"))
         unit = "" if r["per"] == "changed" else " (per 1M elements)"
-        out.append(f"{r['op']:<42} {r['ms']:>10.3f} {r['ms_per_1M']:>9.3f} {x:>7}{unit}")
+        out.append(f"{r['op']:<46} {r['ms']:>10.3f} {r['ms_per_1M']:>9.3f} {x:>7} {xc:>7}{unit}")
     return "\n".join(out)
 
 

@@ -114,3 +114,10 @@ def to_key(sbits: torch.Tensor, dt: DTypeInfo) -> torch.Tensor:
 
 
 from_key = to_key
+
+
+def true_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor``, correctly rounded on every device. CUDA computes ``tensor / python_float``
+    as ``tensor * (1 / divisor)``, which can differ in the last bit (a scale off by one ULP on the
+    GPU, seen by the GPU check); a divisor tensor on ``t``'s device is a true division there too."""
+    return torch.div(t, t.new_tensor(divisor))

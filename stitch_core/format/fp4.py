@@ -47,6 +47,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from stitch_core.format.dtypes import true_div
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
@@ -136,7 +138,7 @@ def quantize_mxfp4(
     """(packed codes, E8M0 scale) of a 2-D weight with an even number of columns."""
     w32 = w.to(torch.float32).contiguous()
     amax = _group_amax(w32.abs(), group)
-    e = _ceil_log2(amax.clamp_min(TINY) * (1 + headroom) / FP4_MAX) + E8M0_BIAS
+    e = _ceil_log2(true_div(amax.clamp_min(TINY) * (1 + headroom), FP4_MAX)) + E8M0_BIAS
     scale = e.clamp(0, 254).to(torch.uint8)
     if prev_scale is not None and prev_scale.shape == scale.shape:
         prev = prev_scale.to(device=scale.device, dtype=torch.uint8)
@@ -171,7 +173,7 @@ def _nvfp4_codes(
     w32: torch.Tensor, amax: torch.Tensor, g: torch.Tensor, fresh_global: bool,
     prev_scale: torch.Tensor | None, headroom: float, group: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    need = (amax.clamp_min(TINY) * (1 + headroom) * g / FP4_MAX).clamp(max=E4M3_MAX)
+    need = true_div(amax.clamp_min(TINY) * (1 + headroom) * g, FP4_MAX).clamp(max=E4M3_MAX)
     scale = _e4m3_ceil(need)
     if not fresh_global and prev_scale is not None and prev_scale.shape == scale.shape:
         p32 = prev_scale.to(device=scale.device, dtype=torch.float8_e4m3fn).to(torch.float32)

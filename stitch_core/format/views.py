@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from stitch_core.format.dtypes import true_div
 from stitch_core.format.fp4 import FP4_KINDS, MX_GROUP, NV_GROUP, dequantize_fp4, project_fp4
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -144,7 +145,7 @@ def _quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w32 = w.to(torch.float32).contiguous()
     amax = group_amax(w32.abs(), view)
-    scale = amax.clamp_min(TINY) * (1 + view.headroom) / FP8_MAX
+    scale = true_div(amax.clamp_min(TINY) * (1 + view.headroom), FP8_MAX)
     if prev is not None and prev.shape == scale.shape:
         prev = prev.to(device=scale.device, dtype=torch.float32)
         keep = (prev > 0) & prev.isfinite() & (amax / prev <= FP8_MAX)

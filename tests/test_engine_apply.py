@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -489,3 +490,29 @@ def test_sums_in_parallel_equal_sums_in_one_thread(published):
             one = rep.sums()
             assert rep.sums(threads=4) == one
             assert rep.sums(list(one)[:3], threads=3) == {n: one[n] for n in list(one)[:3]}
+
+
+def test_gather_refuses_positions_out_of_range_and_returns_old_bits_by_copy(published):
+    """A hostile or broken coordinator's positions (negative, past the tensor) are refused by
+    name; old bits come back as a copy, not a view of what undo keeps."""
+    _root, views = published
+    for world in (1, 2):
+        e = _engines(world, views[1])[0]
+        rep = RankReplica(e)
+        rep.setup({n: (tuple(t.shape), "BF16" if t.dtype == torch.bfloat16 else "F32")
+                   for n, t in views[1].items()})
+        name = next(n for n, t in views[1].items() if t.dtype == torch.bfloat16 and t.dim() == 2)
+        n = views[1][name].numel()
+        for bad in ([0, -1], [n], [3, n + 7]):
+            with pytest.raises(ReplicaError, match=f"{name}: position out of range"):
+                rep.gather("x", {name: np.array(bad, dtype=np.int64)})
+        pos = np.arange(0, n, 7, dtype=np.int64)
+        held = rep.gather("y", {name: pos}).old[name]
+        kept = held.bits.copy()
+        held.bits[:] = 0  # the caller's copy is the caller's: the write's undo is untouched
+        rep.write("y", {name: np.zeros(len(pos), dtype=np.int16)})
+        rep.undo("y")
+        flat = views[1][name].reshape(-1).view(torch.int16)
+        idx = pos if held.index is None else pos[held.index]
+        assert np.array_equal(kept, flat[torch.from_numpy(idx)].numpy())
+        assert _same(e, _engines(world, views[1])[0])

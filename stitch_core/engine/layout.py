@@ -1,6 +1,6 @@
 """Layout maps: where each element of a served-view (HF) tensor lives in an engine's parameters.
 
-Size: about 450 lines, one job: learning where each served-view element lives in an engine's
+Size: about 460 lines, one job: learning where each served-view element lives in an engine's
 parameters. Learning the map (the integer shadows) and its run encoding are one algorithm; the
 shadows' memory pool and the numba scan that reads them live in `layout_scan`.
 
@@ -115,6 +115,19 @@ class Segment:
         eng = np.empty(len(p), dtype=np.int64)
         n = _locate(self.hf_start, self.eng_start, self.length, p, ok, eng)
         return torch.from_numpy(ok), torch.from_numpy(eng[:n])
+
+
+def in_range(pos: np.ndarray, n: int) -> bool:
+    """Whether every position is in ``[0, n)``: one pass (a `min` and a `max` are two)."""
+    return bool(_in_range(np.ascontiguousarray(pos, dtype=np.int64), n))
+
+
+@numba.njit(cache=True, nogil=True)
+def _in_range(pos, n) -> bool:
+    for i in range(pos.shape[0]):  # noqa: SIM110 - numba compiles no generator for all()
+        if pos[i] < 0 or pos[i] >= n:
+            return False
+    return True
 
 
 @numba.njit(cache=True, nogil=True)

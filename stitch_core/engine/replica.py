@@ -1,6 +1,6 @@
 """Rank side of an in-place engine apply: gather old bits, write new bits, prove what was written.
 
-Size: about 455 lines, one job: the rank side of the apply protocol (gather, write with
+Size: about 470 lines, one job: the rank side of the apply protocol (gather, write with
 read-back, undo / commit, sums, whole-tensor loads) over one rank's layout; the bit helpers above
 `RankReplica` exist only for its writes and sums.
 
@@ -42,7 +42,14 @@ import torch
 
 from stitch_core.engine import derived, rpc, scatter
 from stitch_core.engine.failpoints import Failpoints
-from stitch_core.engine.layout import Layout, MastersInstalled, Segment, engine_params, learn_layout
+from stitch_core.engine.layout import (
+    Layout,
+    MastersInstalled,
+    Segment,
+    engine_params,
+    in_range,
+    learn_layout,
+)
 from stitch_core.engine.layout_cache import LayoutCache
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
@@ -236,11 +243,12 @@ class RankReplica:
             tm = layout.tensors.get(name)
             if tm is None:
                 raise ReplicaError(f"{name}: not a tensor of this model's layout")
-            pos = torch.from_numpy(np.asarray(pb).reshape(-1).astype(np.int64))
-            if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= tm.hf_numel):
+            pos_np = np.ascontiguousarray(np.asarray(pb).reshape(-1), dtype=np.int64)
+            if not in_range(pos_np, tm.hf_numel):
                 raise ReplicaError(f"{name}: position out of range [0, {tm.hf_numel})")
+            pos = torch.from_numpy(pos_np)
             idt = dtypes.info(tm.hf_dtype).int_dtype
-            old_bits = torch.zeros(pos.numel(), dtype=idt)
+            old_bits: torch.Tensor | None = None  # allocated when first needed
             complete = not pos.numel()  # a segment held every position: old_bits is whole
             held: torch.Tensor | None = None  # else: which positions some segment holds
             plan = []
@@ -254,14 +262,16 @@ class RankReplica:
                 bits_d = _hf_bits(old, tm.hf_dtype)
                 if eng.numel() == pos.numel():  # this segment holds every position (TP=1)
                     sel, hpos = None, pos
-                    if not complete:
-                        old_bits, complete = bits_d.cpu().clone(), True
+                    if not complete:  # a copy: the reply must not share the undo's memory
+                        old_bits = bits_d.cpu() if bits_d.device.type != "cpu" else bits_d.clone()
+                        complete = True
                 else:
                     sel = ok.nonzero().squeeze(1)
                     hpos = pos[sel]
                     if not complete:
                         if held is None:
                             held = torch.zeros(pos.numel(), dtype=torch.bool)
+                            old_bits = torch.zeros(pos.numel(), dtype=idt)
                         new = ~held[sel]  # not held by an earlier segment
                         old_bits[sel[new]] = bits_d.cpu()[new]
                         held[sel] = True
@@ -271,6 +281,8 @@ class RankReplica:
                 osum = fpr.sum_at(name, hpos_d, bits_d, tm.hf_dtype.itemsize)
                 plan.append((seg.param, eng_d, sel, hpos_d, old, osum))
             self._plan[name] = (pos.numel(), plan)
+            if old_bits is None:  # no segment held any position
+                old_bits = torch.zeros(pos.numel(), dtype=idt)
             if complete or (held is not None and bool(held.all())):
                 out[name] = rpc.Held(None, old_bits.numpy())
             else:

@@ -41,7 +41,7 @@ PREFIX = "STITCH_"
 
 # The defaults, each written once: the Settings fields and the constructors use these.
 CACHE_MAX_BYTES = 20 << 30  # the node-local cache's cap (versions.cache)
-APPLY_MEMORY = 64 << 20  # patch bytes an apply decodes at a time (engine.coordinator)
+APPLY_MEMORY = 1 << 30  # patch bytes an apply decodes at a time (engine.coordinator)
 DECODE_THREADS = 4  # threads an apply decodes a batch's chunks with (engine.decode)
 MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers to salt it (serve.asgi)
 RECONCILE_INTERVAL = 5.0  # seconds between polls of `latest` (versions.follower)

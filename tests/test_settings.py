@@ -15,6 +15,7 @@ from stitch_core.settings import (
     APPLY_MEMORY,
     BEGIN,
     END,
+    MAX_BODY_BYTES,
     Settings,
     SettingsError,
     env_name,
@@ -41,11 +42,13 @@ def test_durations(text, s):
 
 
 def test_units_through_the_environment():
-    s = Settings.from_env({"STITCH_MAX_BODY_BYTES": "64MiB", "STITCH_APPLY_MEMORY": "1GiB",
+    s = Settings.from_env({"STITCH_MAX_BODY_BYTES": "32MiB", "STITCH_APPLY_MEMORY": "3GiB",
                            "STITCH_CACHE_MAX_BYTES": "8GiB", "STITCH_RPC_TIMEOUT": "500ms",
                            "STITCH_MAX_WAIT": "2m", "STITCH_VERIFY_COOLDOWN": "10s",
                            "STITCH_LOG_LEVEL": "debug", "STITCH_BOARD": ""})
-    assert (s.max_body_bytes, s.apply_memory, s.cache_max_bytes) == (64 << 20, 1 << 30, 8 << 30)
+    assert (s.max_body_bytes, s.apply_memory, s.cache_max_bytes) == (32 << 20, 3 << 30, 8 << 30)
+    # none of them is its default: a variable that was ignored would fail here
+    assert s.max_body_bytes != MAX_BODY_BYTES and s.apply_memory != APPLY_MEMORY
     assert (s.rpc_timeout, s.max_wait, s.verify_cooldown) == (0.5, 120.0, 10.0)
     assert s.log_level == "DEBUG" and s.board is None  # an empty variable is unset
     assert Settings().apply_memory == APPLY_MEMORY

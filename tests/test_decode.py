@@ -3,6 +3,8 @@ give the same new bits, the same running fingerprints and the same errors as on 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -71,29 +73,31 @@ def test_threads_decode_the_same_bits(tmp_path, threads, ranks):
         assert fpr.fmt(running[name]) == fpr.fmt(fpr.state_fingerprints(new)[name])
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_wrong_old_bits_fail_the_fingerprint_check_on_any_thread_count(tmp_path, threads):
-    base, new = _pair(1)
+@contextmanager
+def _planned(seed: int, threads: int, ranks: int):
+    """A patch of `_pair(seed)` read, its positions planned on `threads` threads and the old bits
+    gathered from `ranks` ranks: (decoder, plan, replies, base fingerprints)."""
+    base, new = _pair(seed)
     fps = fpr.state_fingerprints(base)
     patch = stitch_core.diff(base, new, base_fingerprints=fps, chunk_span=SPAN)
     with PatchReader(patch.data) as reader:
         dec = BatchDecoder(threads)
         plan = dec.positions(_batch(reader))
-        gathered = _gather(plan, base, 1)
+        yield dec, plan, _gather(plan, base, ranks), fps
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_wrong_old_bits_fail_the_fingerprint_check_on_any_thread_count(threads):
+    with _planned(1, threads, 1) as (dec, plan, gathered, fps):
         held = gathered[0].old["b.weight"]
         held.bits[len(held.bits) // 2] ^= 1  # a rank reports one wrong old value mid-tensor
         with pytest.raises(PatchError, match="b.weight: result fingerprint"):
             dec.values(plan, gathered, {}, fps)
 
 
-def test_positions_no_rank_holds_are_refused(tmp_path):
-    base, new = _pair(2)
-    fps = fpr.state_fingerprints(base)
-    patch = stitch_core.diff(base, new, base_fingerprints=fps, chunk_span=SPAN)
-    with PatchReader(patch.data) as reader:
-        dec = BatchDecoder(4)
-        plan = dec.positions(_batch(reader))
-        gathered = _gather(plan, base, 2)[:1]  # rank 1 did not answer for its half
+def test_positions_no_rank_holds_are_refused():
+    with _planned(2, 4, 2) as (dec, plan, gathered, fps):
+        gathered = gathered[:1]  # rank 1 did not answer for its half
         with pytest.raises(EngineStateError, match="held by no rank"):
             dec.values(plan, gathered, {}, fps)
 

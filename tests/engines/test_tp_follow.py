@@ -1,8 +1,9 @@
 """Followers at TP=2 against fresh engines of the same TP loaded from `stitch pull` of the same
-version. The `shared` case runs on the session's TP=2 engine after the fault drills (vLLM:
-Qwen3-MoE, SGLang: a small Qwen2); an engine's own cases (`tp_cases`, none today: a
-realistic-shape follower took 80-180 s of the test command per engine) start their own engines.
-The realistic shape runs on vLLM at TP=1 (tests/vllm/test_layout.py).
+version. The case runs on the session's TP=2 engine after the fault drills (an adapter's
+`tp_cases` marked shared: vLLM's Qwen3-MoE. SGLang has none: its TP=2 engine is proven on every
+rank by the fault drills, but its outputs are not compared with a fresh TP=2 engine's). A realistic-shape follower at TP=2 with its own engines took
+80-180 s of the test command per engine and was dropped; the realistic shape runs on vLLM at TP=1
+(tests/vllm/test_layout.py).
 
 The realistic model (stitch_dev.tinymodel.REALISTIC: a tied Llama, 24 layers, GQA 8/2, hidden 512,
 vocab 32800) is trained by AdamW at an RL learning rate (3e-6), so each version flips a realistic
@@ -19,9 +20,8 @@ engine's own loaders, writes only what it holds, and the coordinator checks that
 fingerprint sums add up (replicated tensors count once per rank). On SGLang the RPC reaches both
 ranks through one control request (rank 0 gathers).
 
-The engine's `shared` case runs first, on the session's TP=2 engine right after the fault
-scenarios (test_tp2_faults.py: an engine that lived through them must still match a fresh one);
-the others start their own.
+The case runs on the session's TP=2 engine right after the fault scenarios
+(test_tp2_faults.py: an engine that lived through them must still match a fresh one).
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.materialize import pull
 from stitch_dev.engines import adapter
 from stitch_dev.server import verify_clean
-from stitch_dev.tinymodel import REALISTIC
 
 from ..engine_common import follow_versions
-from .conftest import ENGINE, published_v0
+from .conftest import ENGINE
 
 VERSIONS = 2  # two patches in a row (fewer versions: the test command's time)
-CASES = [c for c in adapter(ENGINE).tp_cases if not c[2]] if ENGINE else []
 SHARED = [c for c in adapter(ENGINE).tp_cases if c[2]] if ENGINE else []
 
 
@@ -76,33 +74,3 @@ if SHARED:
         trainer = tp2["trainer"]
         follow_and_compare(engine, tp2["server"], trainer, tp2["root"], tp,
                            trainer.step - 1, arch, record_cpu_path, None)
-
-
-if CASES:  # an engine without such a case collects no test (not an empty-parameter skip)
-    @pytest.mark.parametrize(("arch", "tp", "shared"), CASES,
-                             ids=[f"{a}-tp{t}" for a, t, _ in CASES])
-    def test_engine_follows_and_matches_a_fresh_engine(engine, tmp_path, nats_server, arch, tp,
-                                                       shared, record_cpu_path):
-        kw = REALISTIC if arch == "realistic" else {"arch": arch}
-        lr = 3e-6 if arch == "realistic" else 2e-3  # an RL learning rate on the realistic model
-        run = f"{engine.prefix}-tp"
-        trainer = published_v0(tmp_path, {"lr": lr}, nats_server.url, run, kw)
-        server = None
-        try:
-            server = engine.start(tmp_path / "v0", tmp_path / "server.log", tp=tp,
-                                  board=str(tmp_path / "board"), nats_url=nats_server.url,
-                                  run=run, cache_dir=str(tmp_path / "engine-cache"),
-                                  reconcile_interval="1")
-            engine.ready(server, timeout=600)
-
-            def stop():
-                nonlocal server
-                server.stop()
-                server = None
-
-            follow_and_compare(engine, server, trainer, tmp_path, tp, 0, arch, record_cpu_path,
-                               stop)
-        finally:
-            if server is not None:
-                server.stop()
-            trainer.pub.close()

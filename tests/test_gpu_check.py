@@ -73,3 +73,20 @@ def test_a_wrong_device_fingerprint_path_is_caught(tmp_path, monkeypatch):
 def test_cuda_without_a_device_is_an_error_not_a_pass(capsys):
     assert gpu_check.main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_fsdp_check_passes_on_the_cpu(tmp_path):
+    """The FSDP2 trainer-side check (stitch_dev.fsdp_check, gloo here, NCCL on a GPU) in its own
+    process (it owns a process group): every check passes and every version changed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "fsdp.json"
+    r = subprocess.run([sys.executable, "-m", "stitch_dev.fsdp_check", "--device", "cpu",
+                        "--hidden", "64", "--steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["backend"] == "gloo"
+    assert len(report["checks"]) == 1 + 3 + 2 + 1  # manifests, fingerprints, changed, pull
+    assert all(c["ok"] for c in report["checks"]) and all(n > 0 for n in report["changed"])

@@ -1,9 +1,9 @@
 """Followers at TP=2 against fresh engines of the same TP loaded from `stitch pull` of the same
 version. The case runs on the session's TP=2 engine after the fault drills (an adapter's
 `tp_cases` marked shared: vLLM's Qwen3-MoE. SGLang has none: its TP=2 engine is proven on every
-rank by the fault drills, but its outputs are not compared with a fresh TP=2 engine's). A realistic-shape follower at TP=2 with its own engines took
-80-180 s of the test command per engine and was dropped; the realistic shape runs on vLLM at TP=1
-(tests/vllm/test_layout.py).
+rank by the fault drills, but its outputs are not compared with a fresh TP=2 engine's). A
+realistic-shape follower at TP=2 with its own engines took 80-180 s of the test command per
+engine and was dropped; the realistic shape runs on vLLM at TP=1 (tests/vllm/test_layout.py).
 
 The realistic model (stitch_dev.tinymodel.REALISTIC: a tied Llama, 24 layers, GQA 8/2, hidden 512,
 vocab 32800) is trained by AdamW at an RL learning rate (3e-6), so each version flips a realistic

@@ -302,7 +302,7 @@ class FSDPPublisher(PublisherBase):
         try:  # phase 2, local: header with the totals, upload this rank's part
             header = builder.finish(totals=totals, part=(self.rank, self.world))
             f.close()
-            ref = object_ref(path, "patch", f"part-{self.rank:05d}.stp")
+            ref = object_ref(path, "patch", f"part-{self.rank:05d}.stp", sha256=builder.sha256)
             self._call(self.board.put(f"{version_dir(self.run, version)}/{ref.path}", path))
             meta.update(ref=ref.model_dump(), changed=header.changed_elements)
         except Exception as e:

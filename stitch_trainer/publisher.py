@@ -272,7 +272,7 @@ class Publisher(PublisherBase):
             fps = b.target_fingerprints
             changed = header.changed_elements
             files["patch.stp"] = path
-            objects.append(await asyncio.to_thread(object_ref, path, "patch"))
+            objects.append(object_ref(path, "patch", sha256=b.sha256))  # hashed as written
             kind = info.kind
         else:
             fps = await asyncio.to_thread(fpr.state_fingerprints, view)

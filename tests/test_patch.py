@@ -706,6 +706,40 @@ def test_reader_hashes_the_bytes_it_reads_through_one_descriptor(tmp_path):
         PatchReader(p, sha256=sha)
 
 
+def test_the_writer_hashes_what_it_writes_and_the_reader_hashes_once(tmp_path, monkeypatch):
+    """`PatchBuilder.sha256` is the written file's SHA-256 (a publisher lists it without reading
+    the file back); a reader given that SHA-256 hashes the file once (no BLAKE2b pass) and still
+    refuses one flipped byte anywhere, the footer's checksum included."""
+    from stitch_core.format import stp
+    from stitch_core.format.patch import PatchBuilder
+
+    g = torch.Generator().manual_seed(4)
+    base = {"w": torch.randn(96, 64, generator=g).bfloat16()}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1)[::5] += 1
+    p = tmp_path / "a.stp"
+    with open(p, "wb") as f:
+        b = PatchBuilder(f, run="r", base_version=0, target_version=1)
+        b.add("w", base["w"], new["w"])
+        b.finish()
+    data = p.read_bytes()
+    assert b.sha256 == hashlib.sha256(data).hexdigest()
+    blakes = []
+    real = stp.hashlib.blake2b
+    monkeypatch.setattr(stp.hashlib, "blake2b", lambda **kw: blakes.append(kw) or real(**kw))
+    with stp.PatchReader(p, sha256=b.sha256):
+        pass
+    assert blakes == []  # the manifest's SHA-256 alone
+    with stp.PatchReader(p):
+        pass
+    assert len(blakes) == 1  # without it, the footer's BLAKE2b
+    for at in (10, len(data) // 2, len(data) - 45, len(data) - 20):  # payload, header, digest
+        bad = bytearray(data)
+        bad[at] ^= 1
+        with pytest.raises(PatchError):
+            stp.PatchReader(bytes(bad), sha256=b.sha256)
+
+
 def test_a_decompression_bomb_is_refused_before_decoding(tmp_path, monkeypatch):
     """A 32 MiB constant tensor added by a patch: an encoder without the format's cap on symbol
     probability writes it in a few hundred bytes (a 100,000:1 expansion); readers refuse such a

@@ -56,6 +56,7 @@ from stitch_core.format.patch import (
 )
 from stitch_core.format.stp import PatchError, PatchReader
 from stitch_core.settings import APPLY_MEMORY, DECODE_THREADS, LOAD_TIMEOUT, RPC_TIMEOUT
+from stitch_core.versions import verified
 from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.served import ServedVersion
 from stitch_core.versions.store import Step
@@ -165,7 +166,8 @@ class Coordinator(HeldState):
             readers: list[PatchReader] = []
             try:
                 for p, r in zip(paths, refs, strict=True):
-                    readers.append(PatchReader(p, sha256=r.sha256 if r else None))
+                    sha = r.sha256 if r else None
+                    readers.append(PatchReader(p, sha256=sha, verified=verified.identity(p, sha)))
                 patch = (readers[0] if len(readers) == 1 and readers[0].header.part is None
                          else PatchSet(readers))
                 placed, fallback = await asyncio.to_thread(self._check, patch, m)

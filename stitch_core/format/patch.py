@@ -65,6 +65,7 @@ class PatchBuilder:
         self.entries: list[TensorEntry] = []
         self._base_fps: list[tuple[str, str, tuple[int, ...], int]] = []
         self._target_fps: list[tuple[str, str, tuple[int, ...], int]] = []
+        self.sha256: str | None = None  # the whole file's SHA-256, set by finish()
 
 
     @property
@@ -262,6 +263,7 @@ class PatchBuilder:
             part=list(part) if part else None,
         )
         self.size = self._w.finish(header)
+        self.sha256 = self._w.sha256  # the whole file's, hashed as it was written
         return header
 
 

@@ -39,17 +39,22 @@ class PatchError(StitchError, ValueError):
 
 
 class PatchWriter:
-    """Streams chunk payloads to a binary file, then the header and footer."""
+    """Streams chunk payloads to a binary file, then the header and footer. In the same pass it
+    computes the whole file's SHA-256 (`sha256` after `finish`: what a manifest lists for the
+    object), so a publisher never reads the file back to hash it."""
 
     def __init__(self, f: BinaryIO):
         self._f = f
         self._h = hashlib.blake2b(digest_size=32)
+        self._sha = hashlib.sha256()
         self._pos = 0
+        self.sha256: str | None = None
         self._write(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
 
     def _write(self, b: bytes) -> None:
         self._f.write(b)
         self._h.update(b)
+        self._sha.update(b)
         self._pos += len(b)
 
     def add_payload(self, pos_bytes: bytes, val_bytes: bytes) -> tuple[int, int]:
@@ -65,8 +70,10 @@ class PatchWriter:
         off = self._pos
         self._write(blob)
         self._write(struct.pack("<QQ", off, len(blob)))
-        digest = self._h.digest()
-        self._f.write(digest + END_MAGIC)
+        tail = self._h.digest() + END_MAGIC
+        self._f.write(tail)
+        self._sha.update(tail)
+        self.sha256 = self._sha.hexdigest()
         return self._pos + 40
 
 
@@ -77,13 +84,19 @@ def _err(msg: str) -> PatchError:
 class PatchReader:
     """Opens a patch (path, bytes or binary file), verifies it whole, then serves its chunks.
 
-    `sha256`: the SHA-256 the file must have (a manifest's object hash). It is computed in the
-    same pass, through the same descriptor, as the checksum, and every later read uses that
-    descriptor: the bytes hashed are the bytes applied, whatever happens to the path."""
+    `sha256`: the SHA-256 the file must have (a manifest's object hash). It is computed in one
+    pass through the same descriptor every later read uses: the bytes hashed are the bytes
+    applied, whatever happens to the path. It covers the footer's own checksum, so with it the
+    file is hashed once (SHA-256 only); without it, the footer's BLAKE2b is checked instead."""
 
     def __init__(self, src: str | os.PathLike | bytes | bytearray | memoryview | BinaryIO,
-                 sha256: str | None = None):
+                 sha256: str | None = None,
+                 verified: tuple[int, int, int, int, int] | None = None):
         self._want_sha256 = sha256
+        # (dev, inode, size, mtime_ns, ctime_ns) under which the caller verified `sha256` in
+        # this process (stitch_core.versions.verified): skip the hash pass only if this
+        # descriptor's file has exactly that identity
+        self._verified = verified if sha256 is not None else None
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._f: BinaryIO = io.BytesIO(bytes(src))
             self._own = True
@@ -123,17 +136,19 @@ class PatchReader:
             raise _err("patch footer missing (truncated or not a stitch patch)")
         if hlen > MAX_HEADER_BYTES or hoff < PREAMBLE.size or hoff + hlen != size - FOOTER.size:
             raise _err("patch header location is inconsistent (corrupt or truncated)")
-        h = hashlib.blake2b(digest_size=32)
+        if self._verified is not None and self._identity() == self._verified:
+            return self._read_header(hoff, hlen)  # verified once already, unchanged since
+        # one hash per open: the manifest's SHA-256 when given (it covers the footer's digest,
+        # which the publisher computed over the same bytes), else the footer's BLAKE2b
         whole = hashlib.sha256() if self._want_sha256 is not None else None
+        h = hashlib.blake2b(digest_size=32) if whole is None else None
         f.seek(0)
         left = size - 40
         while left:
             b = f.read(min(_READ, left))
             if not b:
                 raise _err("patch shrank while reading")
-            h.update(b)
-            if whole is not None:
-                whole.update(b)
+            (h if whole is None else whole).update(b)
             left -= len(b)
         if whole is not None:
             whole.update(f.read(40))
@@ -141,8 +156,19 @@ class PatchReader:
                 raise _err(f"patch bytes are not the ones the manifest lists (sha256 "
                            f"{whole.hexdigest()[:12]}…, want {self._want_sha256[:12]}…): "
                            "changed on disk after download?")
-        if h.digest() != digest:
+        elif h.digest() != digest:
             raise _err("patch checksum mismatch (corrupted in transit or on disk)")
+        return self._read_header(hoff, hlen)
+
+    def _identity(self) -> tuple[int, int, int, int, int] | None:
+        try:
+            st = os.fstat(self._f.fileno())
+        except (OSError, AttributeError, io.UnsupportedOperation):
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _read_header(self, hoff: int, hlen: int) -> PatchHeader:
+        f = self._f
         f.seek(hoff)
         try:
             header = PatchHeader.model_validate(json.loads(f.read(hlen)))

@@ -32,6 +32,7 @@ from stitch_core.format.checkpoint import (
 from stitch_core.format.patch import PatchSet, apply_entry, check_compatible, check_digests, row
 from stitch_core.format.quant_config import write_quantization_config
 from stitch_core.format.stp import PatchReader
+from stitch_core.versions import verified
 from stitch_core.versions.board.base import Board
 from stitch_core.versions.cache import hold
 from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
@@ -153,8 +154,10 @@ def check_not_back(out: Path, run: str, version: int) -> None:
 
 def open_patch(parts: list[Path], m: Manifest) -> PatchReader | PatchSet:
     """The fetched parts of `m`'s patch as one reader (a PatchSet for a multi-part patch)."""
-    # each part hashed through the descriptor it is then read from (the bytes used)
-    readers = [PatchReader(p, sha256=r.sha256) for p, r in zip(parts, m.patches, strict=True)]
+    # each part hashed through the descriptor it is then read from (the bytes used), unless
+    # this process verified it at fetch and it is unchanged since (`verified`)
+    readers = [PatchReader(p, sha256=r.sha256, verified=verified.identity(p, r.sha256))
+               for p, r in zip(parts, m.patches, strict=True)]
     if len(readers) == 1 and readers[0].header.part is None:
         return readers[0]
     return PatchSet(readers)

@@ -229,8 +229,8 @@ class Squasher:
 
     # ---------------------------------------------------------------- spans
 
-    def _build(self, base: int, out: Path) -> tuple[int, int]:
-        """Write the span `base` -> held version to `out`; (bytes, changed elements). The
+    def _build(self, base: int, out: Path) -> tuple[int, int, str | None]:
+        """Write the span `base` -> held version to `out`; (bytes, changed elements, SHA-256). The
         target fingerprints the builder computes from the base's are checked against the
         target's manifest (and both digests) before anything is uploaded."""
         target = self.manifests[self.version]
@@ -254,7 +254,7 @@ class Squasher:
                 header.base_digest != base_m.digest:
             raise SquashError(f"span {self.run} v{base}->v{self.version} does not prove "
                               "(fingerprints or digests differ from the manifests)")
-        return out.stat().st_size, sum(e.changed for e in header.tensors)
+        return out.stat().st_size, sum(e.changed for e in header.tensors), b.sha256
 
     async def _write_spans(self, report: SquashReport) -> None:
         """Build and upload the spans to the held version, `workers` at a time (the codec's
@@ -276,7 +276,7 @@ class Squasher:
             async with gate:
                 build = asyncio.ensure_future(asyncio.to_thread(self._build, base, path))
                 builds.append(build)
-                size, changed = await asyncio.shield(build)  # a cancel leaves the thread be
+                size, changed, sha = await asyncio.shield(build)  # a cancel leaves the thread be
             if size >= chain:
                 report.skipped.append({"base": base, "why": f"{size} bytes, not smaller "
                                        f"than the chain's {chain}"})
@@ -286,7 +286,7 @@ class Squasher:
                 await self.board.delete(obj)  # a killed squasher's, without its document
             sp = Span(run=self.run, base=base, version=self.version,
                       base_digest=self.manifests[base].digest, digest=target.digest,
-                      objects=[object_ref(path, "patch")], changed_elements=changed,
+                      objects=[object_ref(path, "patch", sha256=sha)], changed_elements=changed,
                       created=now(), producer=f"{PRODUCER} squash")
             await write_span(self.board, sp, {path.name: path}, self.signer)
             path.unlink()

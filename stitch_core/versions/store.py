@@ -18,6 +18,7 @@ from typing import Literal, TypeVar
 from pydantic import ValidationError
 
 from stitch_core.failpoints import kill_point
+from stitch_core.versions import verified
 from stitch_core.versions.board.base import (
     BadCopyError,
     Board,
@@ -70,10 +71,13 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-def object_ref(path: Path, role: str, name: str | None = None) -> ObjectRef:
-    """An ObjectRef for the file at `path` (named `name`, default its file name) in `role`."""
-    return ObjectRef(path=name or path.name, size=path.stat().st_size, sha256=sha256_file(path),
-                     role=role)
+def object_ref(path: Path, role: str, name: str | None = None,
+               sha256: str | None = None) -> ObjectRef:
+    """An ObjectRef for the file at `path` (named `name`, default its file name) in `role`.
+    `sha256`: the file's digest where its writer computed it as it wrote (a patch's
+    `PatchBuilder.sha256`), so the file is not read back to hash it."""
+    return ObjectRef(path=name or path.name, size=path.stat().st_size,
+                     sha256=sha256 or sha256_file(path), role=role)
 
 
 async def write_version(board: Board, manifest: Manifest, files: dict[str, Path],
@@ -157,10 +161,14 @@ async def fetch_patch(board: Board, m: Manifest, cache: Path) -> list[Path]:
 
 
 async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -> Path:
-    """Download one object into the node-local cache once; verify size and SHA-256."""
+    """Download one object into the node-local cache once; verify size and SHA-256. A verified
+    file is recorded (`verified`): a later reader in this process does not hash it again."""
     dest = cache / m.run / f"{m.version:06d}" / ref.path
+    if verified.identity(dest, ref.sha256) is not None:
+        return dest  # verified by this process and unchanged since
     if dest.is_file() and dest.stat().st_size == ref.size and \
             await asyncio.to_thread(sha256_file, dest) == ref.sha256:
+        verified.record(dest, ref.sha256)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:  # checked against the manifest; a FallbackBoard tries the next board on a bad copy
@@ -169,6 +177,7 @@ async def fetch_object(board: Board, m: Manifest, ref: ObjectRef, cache: Path) -
     except BadCopyError as e:
         raise VersionError(f"{m.run} v{m.version}/{ref.path}: checksum mismatch ({e})") \
             from None
+    verified.record(dest, ref.sha256)
     return dest
 
 

@@ -112,6 +112,32 @@ async def test_put_get_roundtrip(board, tmp_path):
         await board.put("../escape", b"x")
 
 
+async def test_get_verified_checks_the_manifest_digest_while_streaming(board, tmp_path,
+                                                                       monkeypatch):
+    """A NATS download is checked against the manifest's size and SHA-256 with the digest
+    computed while streaming: the file is not read back to hash it; a wrong digest or size
+    leaves nothing at `dest`."""
+    import hashlib
+
+    from stitch_core.versions.board import base
+    from stitch_core.versions.board.base import BadCopyError
+
+    data = os.urandom(2 * CHUNK + 11)
+    await board.put("r/versions/000002/p.stp", data)
+    sha = hashlib.sha256(data).hexdigest()
+    read_back: list[Path] = []
+    real = base.sha256_file
+    monkeypatch.setattr(base, "sha256_file", lambda p: read_back.append(p) or real(p))
+    dest = tmp_path / "p.stp"
+    await board.get_verified("r/versions/000002/p.stp", dest, len(data), sha)
+    assert dest.read_bytes() == data and read_back == []
+    for size, digest in ((len(data), "0" * 64), (len(data) + 1, sha)):
+        bad = tmp_path / f"bad-{size}.stp"
+        with pytest.raises(BadCopyError, match="the manifest says"):
+            await board.get_verified("r/versions/000002/p.stp", bad, size, digest)
+        assert not bad.exists() and not bad.with_name(bad.name + ".part").exists()
+
+
 async def test_objects_are_immutable(board, tmp_path):
     key = "r/versions/000002/a.bin"
     await board.put(key, b"content")

@@ -44,10 +44,12 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from stitch_core.versions.board.base import (
+    BadCopyError,
     Board,
     BoardError,
     LatestConflictError,
     NotFoundError,
+    check_copy,
     check_key,
     open_part,
     part_path,
@@ -272,7 +274,9 @@ class NatsBoard(Board):
         except nats.js.errors.NotFoundError:
             return None
 
-    async def _read(self, key: str, sink: Callable[[bytes], Awaitable[None]]) -> None:
+    async def _read(self, key: str, sink: Callable[[bytes], Awaitable[None]]) -> str | None:
+        """Stream `key` into `sink`, checked against NATS's own size and digest; returns the
+        hex SHA-256 of what was streamed (None for a link nats-py followed)."""
         js = await self._ready()
         info = await self._info(key)
         if info is None:
@@ -280,7 +284,7 @@ class NatsBoard(Board):
         if info.is_link():  # not written by us; let nats-py follow it
             assert self._obj is not None
             await sink((await self._obj.get(key)).data or b"")
-            return
+            return None
         size = info.size or 0
         h, got = hashlib.sha256(), 0
         if size:
@@ -305,6 +309,7 @@ class NatsBoard(Board):
         if got != size or h.digest() != _digest_bytes(info.digest):
             raise BoardError(f"{key} on {self.url}: got {got} bytes with sha256 "
                              f"{h.hexdigest()}, metadata says {size} bytes, {info.digest}")
+        return h.hexdigest()
 
     async def get(self, key: str, max_bytes: int | None = None) -> bytes:
         check_key(key)
@@ -326,8 +331,25 @@ class NatsBoard(Board):
             await self._read(key, sink)
         return b"".join(parts)
 
+    async def get_verified(self, key: str, dest: Path, size: int, sha256: str) -> None:
+        """`get_file`, checked against the manifest's `size` and `sha256` with the digest
+        computed while streaming (no second pass over the file); BadCopyError (nothing left at
+        `dest`) if it differs."""
+        streamed = await self._get_file(key, dest)
+        if streamed is None:  # a followed link: not hashed while streaming
+            await asyncio.to_thread(check_copy, dest, key, size, sha256, self.url)
+            return
+        got = dest.stat().st_size
+        if got != size or streamed != sha256:
+            dest.unlink(missing_ok=True)
+            raise BadCopyError(f"{key} from {self.url}: {got} bytes, sha256 {streamed[:12]}…; "
+                               f"the manifest says {size}, {sha256[:12]}…")
+
     async def get_file(self, key: str, dest: Path, size: int | None = None) -> None:
         """Stream `key` into `dest.part` (chunk by chunk, digest checked), then rename."""
+        await self._get_file(key, dest)
+
+    async def _get_file(self, key: str, dest: Path) -> str | None:
         check_key(key)
         dest = Path(dest)
         tmp = part_path(dest)
@@ -341,7 +363,7 @@ class NatsBoard(Board):
                     buf.clear()
 
             with self._errors(f"get {key}"):
-                await self._read(key, sink)
+                digest = await self._read(key, sink)
             await asyncio.to_thread(f.write, bytes(buf))
         except BaseException:
             f.close()
@@ -349,6 +371,7 @@ class NatsBoard(Board):
             raise
         f.close()
         tmp.replace(dest)
+        return digest
 
     async def exists(self, key: str) -> bool:
         check_key(key)

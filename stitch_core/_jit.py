@@ -34,4 +34,35 @@ def _harden_llvmlite() -> None:
 
 _harden_llvmlite()
 
-__all__ = ["numba"]
+
+def _prefetch_intrinsic():
+    """`prefetch(arr, i)` in numba kernels: LLVM's prefetch of &arr[i] (read, keep in all cache
+    levels). A hint only: it never faults and changes no value. The codec's apply kernel issues
+    it when it decodes a position, some iterations before it loads the element there."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
+                                           wraparound=False)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = builder.module.declare_intrinsic(
+                "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+            # (address, 0 = read, 3 = high locality, 1 = data cache)
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    return prefetch
+
+
+prefetch = _prefetch_intrinsic()
+
+__all__ = ["numba", "prefetch"]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stitch_core.format import entropy
+from stitch_core.format import entropy, rans
 from stitch_core.format.entropy import MAX_CONTEXTS, StreamError, decode, encode
 
 U64_MAX = (1 << 64) - 1
@@ -280,7 +280,7 @@ def test_zero_frequency_entry_is_rejected():
     # a table listing a symbol with frequency 0 (and the rest summing to 2^14)
     tbl = struct.pack("<BB", 14, 1) + struct.pack("<H", 2) + struct.pack("<BHBH", 0, 1 << 14, 1, 0)
     with pytest.raises(StreamError):
-        decode(tbl + struct.pack("<II", 4, 0) + struct.pack("<I", entropy.RANS_L), 1)
+        decode(tbl + struct.pack("<II", 4, 0) + struct.pack("<I", rans.RANS_L), 1)
 
 
 def _payload_offsets(s: bytes, n_ctx: int = 1) -> tuple[int, int, int]:
@@ -297,8 +297,8 @@ def test_initial_state_outside_the_encoders_range_is_rejected():
     # encoder can write: [RANS_L, 256 RANS_L)
     u, s = sample_stream(120)
     off, _, _ = _payload_offsets(s)
-    assert entropy.RANS_L <= struct.unpack_from("<I", s, off)[0] < entropy.RANS_L << 8
-    for x in (0, 1, entropy.RANS_L - 1, entropy.RANS_L << 8, (1 << 32) - 1):
+    assert rans.RANS_L <= struct.unpack_from("<I", s, off)[0] < rans.RANS_L << 8
+    for x in (0, 1, rans.RANS_L - 1, rans.RANS_L << 8, (1 << 32) - 1):
         bad = bytearray(s)
         struct.pack_into("<I", bad, off, x)
         with pytest.raises(StreamError):
@@ -414,3 +414,80 @@ def test_repeated_symbol_in_a_table_is_rejected():
     s[7] = s[4]
     with pytest.raises(StreamError, match="frequency table"):
         decode(bytes(s), 300)
+
+
+# ---------------------------------------------------------------- interleaved rANS lanes
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 7, 64, 1001])
+def test_lanes_round_trip(lanes, k):
+    """Every lane count decodes every length, including fewer values than lanes; the count is
+    in the stream's first byte (high nibble: lanes - 1)."""
+    rng = np.random.default_rng(k * 7 + lanes)
+    u = u64(rng.geometric(0.1, k))
+    ctx = rng.integers(0, 3, k).astype(np.uint8)
+    s = encode(u, ctx, 3, lanes=lanes)
+    assert s[0] >> 4 == lanes - 1 and s[0] & 15 == entropy.SCALE_BITS
+    np.testing.assert_array_equal(decode(s, k, ctx), u)
+    assert entropy.parse(s, k).lanes == lanes
+
+
+def test_encode_picks_lanes_by_length():
+    short, long_ = entropy.LANE_MIN_VALUES - 1, entropy.LANE_MIN_VALUES
+    assert encode(u64(np.ones(short, np.int64)))[0] >> 4 == 0
+    assert encode(u64(np.ones(long_, np.int64)))[0] >> 4 == entropy.LANES - 1
+    u = u64(np.random.default_rng(1).geometric(0.05, 5000))
+    one, four = encode(u, lanes=1), encode(u, lanes=4)
+    assert len(four) - len(one) <= 3 * 4 + 2  # three more states, rounding aside
+    with pytest.raises(ValueError):
+        encode(u, lanes=rans.MAX_LANES + 1)
+    with pytest.raises(ValueError):
+        encode(u, lanes=0)
+
+
+def test_a_lane_count_over_the_maximum_is_rejected():
+    u = u64(np.arange(600) % 9)
+    s = bytearray(encode(u, lanes=4))
+    for nibble in range(rans.MAX_LANES, 16):
+        s[0] = (nibble << 4) | entropy.SCALE_BITS
+        with pytest.raises(StreamError, match="parameters"):
+            decode(bytes(s), u.size)
+
+
+@pytest.mark.parametrize("lane", [0, 1, 2, 3])
+def test_every_lanes_initial_state_is_checked(lane):
+    u = u64(np.random.default_rng(2).geometric(0.2, 700))
+    s = encode(u, lanes=4)
+    off, _, _ = _payload_offsets(s)
+    for x in (0, rans.RANS_L - 1, rans.RANS_L << 8):
+        bad = bytearray(s)
+        struct.pack_into("<I", bad, off + 4 * lane, x)
+        with pytest.raises(StreamError):
+            decode(bytes(bad), u.size)
+
+
+def test_swapped_lane_states_and_a_wrong_lane_count_are_rejected():
+    """Each lane must end where the encoder began: states in another order, or the stream read
+    with another lane count, fail the end check (or decode garbage that fails it)."""
+    u = u64(np.random.default_rng(3).geometric(0.1, 2000))
+    s = encode(u, lanes=4)
+    off, _, _ = _payload_offsets(s)
+    bad = bytearray(s)
+    bad[off:off + 4], bad[off + 4:off + 8] = s[off + 4:off + 8], s[off:off + 4]
+    with pytest.raises(StreamError):
+        decode(bytes(bad), u.size)
+    for lanes in (1, 2, 3):
+        bad = bytearray(s)
+        bad[0] = ((lanes - 1) << 4) | (s[0] & 15)
+        with pytest.raises(StreamError):
+            decode(bytes(bad), u.size)
+
+
+def test_a_payload_too_short_for_its_lanes_is_rejected():
+    u = u64(np.zeros(1, np.int64))
+    s = encode(u, lanes=1)  # 4 bytes of state for one value
+    bad = bytearray(s)
+    bad[0] = (3 << 4) | (s[0] & 15)  # claims 4 lanes: 16 bytes of state
+    with pytest.raises(StreamError):
+        decode(bytes(bad), 1)

@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -861,3 +862,65 @@ def test_fused_apply_undoes_its_writes_when_a_late_value_leaves_the_range():
     with pytest.raises(codec.CodecError, match="range"):
         codec.apply_cpu(flat, pe, pb, "ulp", None, entropy.encode(u), 0, 5, 4, dt, 1)
     assert np.array_equal(flat, before)
+
+
+def test_fused_apply_undoes_every_write_when_the_end_check_fails():
+    """Values decode and are written one by one; a stream that fails only its end check (here:
+    a set padding bit after the last extra bits) has every write put back."""
+    from stitch_core.format import codec, dtypes, entropy
+
+    dt = dtypes.info(torch.bfloat16)
+    flat = np.arange(1, 601, dtype=np.int16)
+    before = flat.copy()
+    u = np.full(300, 2, dtype=np.uint64)  # +1 ulp each
+    u[-1] = 20  # + 10 ulp, two extra bits: the extra payload's one byte has six padding bits
+    pos = np.arange(0, 600, 2, dtype=np.int64)
+    pe, pb = codec.encode_positions(pos, 0, 600)
+    vb = bytearray(entropy.encode(u))
+    assert entropy.parse(bytes(vb), 300).lanes == entropy.LANES
+    good = flat.copy()
+    codec.apply_cpu(good, pe, pb, "ulp", None, bytes(vb), 0, 600, 300, dt, 1)
+    assert np.array_equal(good[pos], before[pos] + np.where(np.arange(300) < 299, 1, 10))
+    vb[-1] |= 0x80
+    with pytest.raises(codec.CodecError, match="extra bits"):
+        codec.apply_cpu(flat, pe, pb, "ulp", None, bytes(vb), 0, 600, 300, dt, 1)
+    assert np.array_equal(flat, before)
+
+
+FORMAT_V1 = Path(__file__).parent / "data" / "format_v1"
+
+
+def test_a_format_version_1_patch_still_applies():
+    """tests/data/format_v1: a patch written before streams had rANS lanes (format version 1,
+    every stream one lane), with its base and target. This build reads it bit-exactly."""
+    from safetensors.torch import load_file
+
+    from stitch_core.format.header import FORMAT_VERSION
+    from stitch_core.format.stp import PatchReader
+
+    data = (FORMAT_V1 / "patch.stp").read_bytes()
+    assert struct.unpack_from("<I", data, 8)[0] == 1 and FORMAT_VERSION == 2
+    with PatchReader(data) as r:
+        assert r.header.format_version == 1
+    base, target = (load_file(FORMAT_V1 / f) for f in ("base.safetensors", "target.safetensors"))
+    got = apply(base, data)
+    assert sorted(got) == sorted(target)
+    for n, t in target.items():
+        assert torch.equal(dtypes.int_view(got[n]), dtypes.int_view(t)), n
+    # the same pair written by this build: version 2, and the result is the same
+    p = diff(base, target)
+    assert struct.unpack_from("<I", p.data, 8)[0] == 2
+    for n, t in apply(base, p).items():
+        assert torch.equal(dtypes.int_view(t), dtypes.int_view(target[n])), n
+
+
+def test_a_header_version_other_than_the_preambles_is_refused():
+    base = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    new = {"w": base["w"] + 0.5}
+    data = diff(base, new).data
+    _, h = split(data)
+    h["format_version"] = 1
+    one_line_error(apply, base, forge(data, h), match="format version 1, its preamble 2")
+    wrong = bytearray(data)
+    struct.pack_into("<I", wrong, 8, 3)
+    one_line_error(apply, base, bytes(wrong), match="unsupported patch format version 3")

@@ -11,7 +11,7 @@ ulp values may be coded under contexts taken from the old value (exponent bucket
 the decoder recomputes from the base at the decoded positions: cost O(changed), not O(tensor).
 All value transforms are integer work on sign-extended int64 bit patterns (torch, any device).
 
-Size: about 590 lines, one job: a chunk's bytes from and to tensor elements. Besides the
+Size: about 595 lines, one job: a chunk's bytes from and to tensor elements. Besides the
 per-stream functions (any device) it holds the fused CPU passes, `compare` (compare, gather and
 fingerprint delta in one pass over the tensor) and `apply_cpu` (both streams decoded and written
 in place in one kernel), which must stay next to the stream definitions they inline.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stitch_core._jit import numba
+from stitch_core._jit import numba, prefetch
 from stitch_core.errors import StitchError
-from stitch_core.format import dtypes, entropy
+from stitch_core.format import dtypes, entropy, rans
 from stitch_core.format.dtypes import DTypeInfo
 from stitch_core.format.fingerprint import element_hash_nb as _h
 
@@ -448,28 +448,30 @@ def compare(
 
 @numba.njit(cache=True, nogil=True)
 def _apply(  # pragma: no cover - compiled
-    flat, pos, gaps, start, stop, pst, val, venc, ctx, dti, seed, old_out, ubuf
+    flat, pos, gaps, start, stop, pst, val, venc, ctx, dti, seed, old_out
 ):
     """Decode one chunk and write it into `flat`; (status, fingerprint delta). pst/val: a
     stream's `kernel_args()` for the gap stream (when `gaps`, else `pos` is given) and the value
     stream; ctx: (base, n, sign), n = 0 without; dti: (bits, mantissa bits, is_float,
-    itemsize). On failure every write is undone."""
-    prans, pn, pwords, pne, pfreq, pcum, plook, psb = pst
-    vrans, vn, vwords, vne, vfreq, vcum, vlook, vsb = val
+    itemsize). On failure every write is undone (old_out holds the old bits of each written
+    element; positions are strictly increasing, so a write never changes an old bit read later)."""
+    prans, pn, pwords, pne, pfreq, pcum, plook, psb, planes = pst
+    vrans, vn, vwords, vne, vfreq, vcum, vlook, vsb, vlanes = val
     cbase, cn, csign = ctx
     bits, mant, is_float, itemsize = dti
     k = old_out.shape[0]
-    status = 0
     acc = np.uint64(0)
-    pp, pbp, px = 4, np.uint64(0), np.uint64(entropy.RANS_L)
+    one = np.uint64(rans.RANS_L)
+    px0, px1, px2, px3, pp = one, one, one, one, 0
+    pbp = np.uint64(0)
     if gaps:
-        px = entropy.rans_state(prans, pn)
-        if px == 0:
+        px0, px1, px2, px3, pp = rans.rans_states(prans, pn, planes)
+        if px0 == 0:
             return -1, acc
-    vx = entropy.rans_state(vrans, vn)
-    if vx == 0:
+    vx0, vx1, vx2, vx3, vp = rans.rans_states(vrans, vn, vlanes)
+    if vx0 == 0:
         return -1, acc
-    vp, vbp = 4, np.uint64(0)
+    vbp = np.uint64(0)
     plim, vlim = np.uint64(8 * pne), np.uint64(8 * vne)
     pmask = np.uint64((1 << psb) - 1)
     vmask = np.uint64((1 << vsb) - 1)
@@ -478,24 +480,29 @@ def _apply(  # pragma: no cover - compiled
     fmask = (np.int64(1) << (bits - 1)) - 1
     half = np.int64(1) << (bits - 1)
     last = np.int64(start - 1)
-    # the position and value decoders are two independent chains, interleaved for the CPU to
-    # overlap; values run LAG positions behind, so the load of an old value never stalls them
+    # the position and value decoders are independent chains (each of up to 4 rANS lanes),
+    # interleaved for the CPU to overlap; values run LAG positions behind, and each position's
+    # old element is prefetched when the position is decoded, so its load hits the cache
+    status, w = 0, 0  # w: elements written (undone on failure)
     for i in range(k + LAG):
         if gaps and i < k:
-            s, px, pp = entropy.rans_step(prans, pp, px, 0, pfreq, pcum, plook, pmask, psb)
-            if pp > pn:
-                return -1, acc
+            s, xn, pp = rans.rans_step(prans, pp, px0, 0, pfreq, pcum, plook, pmask, psb)
+            px0, px1, px2, px3 = rans.rotate(px1, px2, px3, xn, planes)
             g, pbp = entropy.extra_step(pwords, pbp, s)
-            if pbp > plim:
-                return -2, acc
-            if g >= np.uint64(stop - last - 1):
-                return _BAD_POS, acc
+            status = -1 if pp > pn else (-2 if pbp > plim else 0)
+            if status == 0 and g >= np.uint64(stop - last - 1):
+                status = _BAD_POS
+            if status:
+                break
             last += np.int64(g) + 1
             pos[i] = last
+        if i < k:
+            prefetch(flat, pos[i])
         j = i - LAG
         if j < 0:
             continue
-        o = np.int64(flat[pos[j]])
+        p = pos[j]
+        o = np.int64(flat[p])
         old_out[j] = o
         c = 0
         if cn:
@@ -504,27 +511,15 @@ def _apply(  # pragma: no cover - compiled
             c = 0 if c < 0 else (cn - 1 if c > cn - 1 else c)
             if csign and (ub >> (bits - 1)) & 1:
                 c += cn
-        s, vx, vp = entropy.rans_step(vrans, vp, vx, c, vfreq, vcum, vlook, vmask, vsb)
-        if vp > vn:
-            return -1, acc
+        s, xn, vp = rans.rans_step(vrans, vp, vx0, c, vfreq, vcum, vlook, vmask, vsb)
+        vx0, vx1, vx2, vx3 = rans.rotate(vx1, vx2, vx3, xn, vlanes)
         u, vbp = entropy.extra_step(vwords, vbp, s)
-        if vbp > vlim:
-            return -2, acc
-        ubuf[j] = u
-    if gaps and not entropy.rans_done(px, pp, pn):
-        return -1, acc
-    if gaps and not entropy.extra_done(pwords, pbp, pne):
-        return -2, acc
-    if not entropy.rans_done(vx, vp, vn):
-        return -1, acc
-    if not entropy.extra_done(vwords, vbp, vne):
-        return -2, acc
-    for i in range(k):
-        p, o, u = pos[i], old_out[i], ubuf[i]
+        if vp > vn or vbp > vlim:
+            status = -1 if vp > vn else -2
+            break
         if venc == 0:
             d = np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1))
-            n = o ^ ((o >> 63) & fmask) if is_float else o
-            n += d
+            n = (o ^ ((o >> 63) & fmask) if is_float else o) + d
             if n < -half or n >= half:
                 status = _ULP_RANGE
                 break
@@ -537,9 +532,19 @@ def _apply(  # pragma: no cover - compiled
             n = np.int64(u) ^ (o & umask) if venc == 1 else np.int64(u)
             n = ((n + half) & umask) - half
         flat[p] = n
+        w += 1
         acc += _h(p, n, seed, itemsize) - _h(p, o, seed, itemsize)
-    if status != 0:
-        for j in range(i):
+    if status == 0:
+        if gaps and not rans.rans_done(px0, px1, px2, px3, pp, pn):
+            status = -1
+        elif gaps and not entropy.extra_done(pwords, pbp, pne):
+            status = -2
+        elif not rans.rans_done(vx0, vx1, vx2, vx3, vp, vn):
+            status = -1
+        elif not entropy.extra_done(vwords, vbp, vne):
+            status = -2
+    if status:
+        for j in range(w):
             flat[pos[j]] = old_out[j]
     return status, acc
 
@@ -580,7 +585,7 @@ def apply_cpu(
     old = np.empty(k, dtype=np.int64)
     dti = (dt.bits, dt.mantissa_bits, dt.is_float, dt.itemsize)
     status, delta = _apply(flat, pos, gaps, start, stop, pst, vst.kernel_args(), VAL_CODES[venc],
-                           c, dti, seed, old, np.empty(k, dtype=np.uint64))
+                           c, dti, seed, old)
     if status:
         raise CodecError({-1: "corrupt entropy-coded stream", -2: "corrupt extra bits",
                           _BAD_POS: "position out of chunk range",

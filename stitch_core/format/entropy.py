@@ -4,15 +4,16 @@ An unsigned 64-bit value u becomes a token (0..255) and `extra` raw bits:
   u < 16:  token = u, no extra bits
   else:    nb = floor(log2 u) (4..63); token = 16 + 4*(nb-4) + ((u >> (nb-2)) & 3);
            extra = the low nb-2 bits of u
-Tokens are coded with a static rANS coder (32-bit state, byte-wise renormalisation, L = 2^23) under
-per-context frequency tables stored in the stream; extra bits are packed LSB-first. The hot loops
-are small numba kernels; everything around them is vectorised numpy.
+Tokens are coded with static rANS (`stitch_core.format.rans`: 32-bit states, byte-wise
+renormalisation, L = 2^23, 1..4 interleaved lanes) under per-context frequency tables stored in the
+stream; extra bits are packed LSB-first. The hot loops are small numba kernels; everything around
+them is vectorised numpy.
 
-Size: about 600 lines, one job: the stream format. The decoder's per-token steps (`rans_step`,
-`extra_step`) are public numba functions that codec's fused apply pass inlines, so a stream is
-defined, encoded and decoded in one place. They are branch-free where a branch would follow the
-data (renormalisation, extra-bit reads), which made decoding ~3x faster than byte-by-byte loops
-(benchmarks/codec.py); the bytes on the wire are the same.
+Size: about 480 lines, one job: the stream format (tokens, extra bits, tables on the wire, the
+checks). The decoder's per-token steps (`rans.rans_step`, `extra_step`) are public numba functions
+that codec's fused apply pass inlines. They are branch-free where a branch would follow the data
+(renormalisation, extra-bit reads), which made decoding ~3x faster than byte-by-byte loops, and
+four lanes another ~2.3x (benchmarks/codec.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,22 @@ import numpy as np
 
 from stitch_core._jit import numba
 from stitch_core.errors import StitchError
+from stitch_core.format.rans import (
+    MAX_LANES,
+    PAD_BYTES,
+    build_lookup,
+    decode_kernel,
+    encode_kernel,
+    rans_done,
+    rans_states,
+    rans_step,
+    rotate,
+    tables,
+)
 
-RANS_L = 1 << 23
 SCALE_BITS = 14
+LANES = 4  # what `encode` writes for streams of at least LANE_MIN_VALUES values
+LANE_MIN_VALUES = 256
 MAX_SCALE_BITS = 15
 MAX_CONTEXTS = 64
 # the most probable symbol gets at most 1 - 2**-MIN_COST_SHIFT of a table, so each token costs at
@@ -152,82 +166,6 @@ def _tokenize(u, tok, extra, nextra):  # pragma: no cover - compiled
     return total
 
 
-@numba.njit(cache=True, nogil=True)
-def _rans_encode(tokens, ctx, freq, cum, scale_bits, out):  # pragma: no cover - compiled
-    """Encode in reverse into the tail of `out`; returns the start index of the stream.
-
-    x // f and x % f through a per-symbol reciprocal (ryg_rans' exact scheme for 32-bit states):
-    x' = x + bias + mulhi32(x, rcp) >> shift * (2^scale - f), the same state as
-    ((x // f) << scale) + x % f + cum, without a division per token."""
-    nc = freq.shape[0]
-    rcp = np.zeros((nc, 256), dtype=np.uint64)
-    rsh = np.zeros((nc, 256), dtype=np.uint64)
-    bias = np.zeros((nc, 256), dtype=np.uint64)
-    xmax = np.zeros((nc, 256), dtype=np.uint64)
-    m = np.uint64(1) << np.uint64(scale_bits)
-    for c in range(nc):
-        for s in range(256):
-            f = np.uint64(freq[c, s])
-            xmax[c, s] = np.uint64((RANS_L >> scale_bits) << 8) * f
-            if f < 2:
-                rcp[c, s] = np.uint64(0xFFFFFFFF)
-                bias[c, s] = np.uint64(cum[c, s]) + m - np.uint64(1)
-            else:
-                sh = 0
-                while f > (np.uint64(1) << np.uint64(sh)):
-                    sh += 1
-                rcp[c, s] = ((np.uint64(1) << np.uint64(sh + 31)) + f - np.uint64(1)) // f
-                rsh[c, s] = np.uint64(sh - 1)
-                bias[c, s] = np.uint64(cum[c, s])
-    p = out.shape[0]
-    x = np.uint64(RANS_L)
-    for i in range(tokens.shape[0] - 1, -1, -1):
-        c = ctx[i]
-        s = tokens[i]
-        x_max = xmax[c, s]
-        while x >= x_max:
-            p -= 1
-            out[p] = np.uint8(x & np.uint64(0xFF))
-            x >>= np.uint64(8)
-        q = ((x * rcp[c, s]) >> np.uint64(32)) >> rsh[c, s]
-        x = x + bias[c, s] + q * (m - np.uint64(freq[c, s]))
-    for _ in range(4):
-        p -= 1
-        out[p] = np.uint8((x >> np.uint64(24)) & np.uint64(0xFF))
-        x = (x << np.uint64(8)) & np.uint64(0xFFFFFFFF)
-    return p
-
-
-# Decoding is branch-free where the branch would follow the data: a token's renormalisation reads
-# 0, 1 or 2 bytes by arithmetic, and its extra bits come from a 64-bit window over the extra
-# payload (as uint64 words) through two per-token tables. Both payloads are padded with zeros so
-# that a step may read past the end; the callers check the read positions after each step (a
-# branch that valid streams never take) and stop a malformed stream there.
-PAD_BYTES = 16
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def rans_step(data, p, x, c, freq, cum, lookup, mask, scale_bits):  # pragma: no cover
-    """One decoded token: (symbol, new state, new read position). Reads up to two bytes at
-    data[p:] whether it needs them or not (data is padded); the caller checks p <= payload
-    length, which also catches a slot no symbol owns (an empty context's table): that step
-    returns a read position past any payload."""
-    slot = x & mask
-    s = lookup[c, slot]
-    f = np.uint64(freq[c, s])
-    if f == 0:
-        return s, x, np.int64(1 << 62)
-    x = f * (x >> np.uint64(scale_bits)) + slot - np.uint64(cum[c, s])
-    # x >= 2^(23 - scale_bits) >= 2^8 after a step with f >= 1: two bytes always renormalise
-    b = np.uint64(x < np.uint64(RANS_L))
-    x = (x << (b * np.uint64(8))) | (np.uint64(data[p]) * b)
-    p += np.int64(b)
-    b = np.uint64(x < np.uint64(RANS_L))
-    x = (x << (b * np.uint64(8))) | (np.uint64(data[p]) * b)
-    p += np.int64(b)
-    return s, x, p
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def extra_step(words, bp, s):  # pragma: no cover - compiled
     """The value of token s with its extra bits read at bit bp of `words` (the padded extra
@@ -238,25 +176,6 @@ def extra_step(words, bp, s):  # pragma: no cover - compiled
     win = (words[w] >> o) | ((words[w + one] << one) << (np.uint64(63) - o))
     n = TOKEN_EXTRA_BITS[s]
     return TOKEN_BASE[s] | (win & ((one << n) - one)), bp + n
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def rans_state(data, n):  # pragma: no cover - compiled
-    """The initial state from a payload of n bytes, or 0 if it cannot be one the encoder wrote
-    (under 4 bytes, or outside [RANS_L, 256 RANS_L)); a 0 state fails the end check."""
-    if n < 4:
-        return np.uint64(0)
-    x = (np.uint64(data[0]) | (np.uint64(data[1]) << np.uint64(8))
-         | (np.uint64(data[2]) << np.uint64(16)) | (np.uint64(data[3]) << np.uint64(24)))
-    if x < np.uint64(RANS_L) or x >= np.uint64(RANS_L << 8):
-        return np.uint64(0)
-    return x
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def rans_done(x, p, n):  # pragma: no cover - compiled
-    """The rANS payload (n bytes) ended exactly where the encoder began."""
-    return x == np.uint64(RANS_L) and p == n
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -271,39 +190,30 @@ def extra_done(words, bp, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode_values(rans, n_rans, words, n_extra, ctx, freq, cum, lookup, scale_bits,
+def _decode_values(rans, n_rans, words, n_extra, freq, cum, lookup, scale_bits, lanes, ctx,
                    out):  # pragma: no cover - compiled
     """Tokens and extra bits in one pass into values: 0, or -1 (rANS) / -2 (extra bits) if the
-    stream is malformed or not consumed exactly. rans/words: padded payloads (`Stream.padded`)."""
-    x = rans_state(rans, n_rans)
-    if x == 0:
+    stream is malformed or not consumed exactly. The arguments before ctx are a stream's
+    `kernel_args()` (rans/words: padded payloads)."""
+    x0, x1, x2, x3, p = rans_states(rans, n_rans, lanes)
+    if x0 == 0:
         return -1
-    p, bp = 4, np.uint64(0)
+    bp = np.uint64(0)
     lim = np.uint64(8 * n_extra)
     mask = np.uint64((1 << scale_bits) - 1)
     for i in range(out.shape[0]):
-        s, x, p = rans_step(rans, p, x, ctx[i], freq, cum, lookup, mask, scale_bits)
+        s, xn, p = rans_step(rans, p, x0, ctx[i], freq, cum, lookup, mask, scale_bits)
+        x0, x1, x2, x3 = rotate(x1, x2, x3, xn, lanes)
         if p > n_rans:
             return -1
         out[i], bp = extra_step(words, bp, s)
         if bp > lim:
             return -2
-    if not rans_done(x, p, n_rans):
+    if not rans_done(x0, x1, x2, x3, p, n_rans):
         return -1
     if not extra_done(words, bp, n_extra):
         return -2
     return 0
-
-
-@numba.njit(cache=True, nogil=True)
-def _build_lookup(freq, cum, scale_bits, lookup):  # pragma: no cover - compiled
-    for c in range(freq.shape[0]):
-        for s in range(256):
-            f = freq[c, s]
-            if f:
-                b = cum[c, s]
-                for j in range(b, b + f):
-                    lookup[c, j] = s
 
 
 # ---------------------------------------------------------------- frequency tables
@@ -350,29 +260,6 @@ def _normalize_all(counts, target, cap, freq):  # pragma: no cover - compiled
     return True
 
 
-@numba.njit(cache=True, nogil=True)
-def _tables(freq, scale_bits, cum, head):  # pragma: no cover - compiled
-    """cum from freq, and the stream's table header (scale, n_ctx, per context: u16 count of
-    used symbols, then (u8 symbol, u16 frequency) each) into head; its length."""
-    head[0], head[1] = scale_bits, freq.shape[0]
-    h = 2
-    for c in range(freq.shape[0]):
-        n = 0
-        acc = 0
-        for s in range(256):
-            cum[c, s] = acc
-            acc += freq[c, s]
-            n += freq[c, s] > 0
-        head[h], head[h + 1] = n & 0xFF, n >> 8
-        h += 2
-        for s in range(256):
-            f = freq[c, s]
-            if f:
-                head[h], head[h + 1], head[h + 2] = s, f & 0xFF, f >> 8
-                h += 3
-    return h
-
-
 def normalize(counts: np.ndarray, scale_bits: int = SCALE_BITS) -> np.ndarray:
     """Counts (256,) -> frequencies summing to 2^scale_bits, every used symbol >= 1. The most
     probable symbol gets at most 1 - 2^-MIN_COST_SHIFT of the table."""
@@ -414,12 +301,24 @@ def cost_bits(tokens: np.ndarray, ctx: np.ndarray, n_ctx: int) -> float:
 # ---------------------------------------------------------------- streams
 
 
-def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> bytes:
-    """Encode uint64 values under optional contexts (uint8, < n_ctx) into one stream."""
+def lanes_for(k: int) -> int:
+    """The rANS lanes `encode` gives a stream of k values: LANES, or 1 for short streams (each
+    lane costs 4 bytes of state)."""
+    return LANES if k >= LANE_MIN_VALUES else 1
+
+
+def encode(
+    u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1, lanes: int | None = None
+) -> bytes:
+    """Encode uint64 values under optional contexts (uint8, < n_ctx) into one stream, with
+    `lanes` interleaved rANS states (default `lanes_for(len(u))`)."""
     if not 1 <= n_ctx <= MAX_CONTEXTS:
         raise ValueError("n_ctx out of range")
     u = np.ascontiguousarray(u, dtype=np.uint64)
     k = u.shape[0]
+    lanes = lanes_for(k) if lanes is None else lanes
+    if not 1 <= lanes <= MAX_LANES:
+        raise ValueError("lanes out of range")
     tokens = np.empty(k, dtype=np.uint8)
     ctx = np.zeros(k, dtype=np.uint8) if ctx is None else np.ascontiguousarray(ctx, np.uint8)
     counts = np.zeros((n_ctx, 256), dtype=np.int64)
@@ -431,9 +330,10 @@ def encode(u: np.ndarray, ctx: np.ndarray | None = None, n_ctx: int = 1) -> byte
     freq = freq.astype(np.uint32)
     cum = np.empty_like(freq)
     head = np.empty(2 + n_ctx * (2 + 3 * 256), dtype=np.uint8)
-    hlen = _tables(freq, SCALE_BITS, cum, head)
-    buf = np.empty(4 + 2 * k + 16, dtype=np.uint8)  # rANS emits < 2 bytes per 8-bit token
-    start = _rans_encode(tokens, ctx, freq, cum, SCALE_BITS, buf)
+    hlen = tables(freq, SCALE_BITS, cum, head)
+    head[0] |= (lanes - 1) << 4
+    buf = np.empty(4 * lanes + 2 * k + 16, dtype=np.uint8)  # < 2 bytes per 8-bit token
+    start = encode_kernel(tokens, ctx, freq, cum, SCALE_BITS, lanes, buf)
     ebuf = np.empty((extra_bits + 7) // 8 + 8, dtype=np.uint8)
     elen = _pack_extra(u, tokens, ebuf)
     lens = struct.pack("<II", buf.shape[0] - start, elen)
@@ -445,6 +345,7 @@ class Stream:
     """A parsed stream: its frequency tables (and decoding lookup) and its two payloads."""
 
     scale_bits: int
+    lanes: int  # interleaved rANS states, 1..MAX_LANES
     freq: np.ndarray  # (n_ctx, 256) uint32
     cum: np.ndarray
     lookup: np.ndarray  # (n_ctx, 2^scale_bits) uint8: slot -> symbol
@@ -462,7 +363,7 @@ class Stream:
 
     def kernel_args(self) -> tuple:
         """Everything a decoding kernel takes, in the order `_decode_values` takes it."""
-        return (*self.padded(), self.freq, self.cum, self.lookup, self.scale_bits)
+        return (*self.padded(), self.freq, self.cum, self.lookup, self.scale_bits, self.lanes)
 
 
 def pad_bytes(data: np.ndarray) -> np.ndarray:
@@ -508,8 +409,9 @@ def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
     buf = np.frombuffer(data, dtype=np.uint8)
     if buf.size < 2:
         raise StreamError("stream too short")
-    scale_bits, n_ctx = int(buf[0]), int(buf[1])
-    if not 1 <= scale_bits <= MAX_SCALE_BITS or not 1 <= n_ctx <= MAX_CONTEXTS:
+    scale_bits, lanes, n_ctx = int(buf[0]) & 15, (int(buf[0]) >> 4) + 1, int(buf[1])
+    if (not 1 <= scale_bits <= MAX_SCALE_BITS or not 1 <= n_ctx <= MAX_CONTEXTS
+            or lanes > MAX_LANES):
         raise StreamError("bad stream parameters")
     freq = np.zeros((n_ctx, 256), dtype=np.uint32)
     p = _read_tables(buf, scale_bits, freq)
@@ -526,10 +428,11 @@ def parse(data: bytes | memoryview | np.ndarray, k: int) -> Stream:
         raise StreamError(f"{buf.size} bytes cannot hold {k} values (over the format's "
                           "expansion limit: a decompression bomb?)")
     cum = np.empty_like(freq)
-    _tables(freq, scale_bits, cum, np.empty(2 + n_ctx * 770, dtype=np.uint8))
+    tables(freq, scale_bits, cum, np.empty(2 + n_ctx * 770, dtype=np.uint8))
     lookup = np.empty((n_ctx, 1 << scale_bits), dtype=np.uint8)
-    _build_lookup(freq, cum, scale_bits, lookup)
-    return Stream(scale_bits, freq, cum, lookup, buf[p : p + rans_len], buf[p + rans_len :])
+    build_lookup(freq, cum, scale_bits, lookup)
+    return Stream(scale_bits, lanes, freq, cum, lookup, buf[p : p + rans_len],
+                  buf[p + rans_len :])
 
 
 def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> np.ndarray:
@@ -539,46 +442,33 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
     if ctx.shape[0] != k or (k and int(ctx.max()) >= st.n_ctx):
         raise StreamError("context out of range")
     out = np.empty(k, dtype=np.uint64)
-    rans, n_rans, words, n_extra = st.padded()
-    check(_decode_values(rans, n_rans, words, n_extra, ctx, st.freq, st.cum, st.lookup,
-                         st.scale_bits, out))
+    check(_decode_values(*st.kernel_args(), ctx, out))
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def _rans_tokens(data, n, ctx, freq, cum, lookup, scale_bits, out):  # pragma: no cover - compiled
-    x, p = rans_state(data, n), 4
-    if x == 0:
-        return -1
-    mask = np.uint64((1 << scale_bits) - 1)
-    for i in range(out.shape[0]):
-        out[i], x, p = rans_step(data, p, x, ctx[i], freq, cum, lookup, mask, scale_bits)
-        if p > n:
-            return -1
-    return 0 if rans_done(x, p, n) else -1
-
-
-def code_tokens(tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray) -> bytes:
+def code_tokens(tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray, lanes: int = LANES) -> bytes:
     """The rANS part of a stream alone: tokens (uint8) under contexts and frequency tables
     (n_ctx, 256) summing to 2^SCALE_BITS. For comparisons with other coders (benchmarks)."""
     freq = np.ascontiguousarray(freq, np.uint32)
     cum = np.empty_like(freq)
-    _tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
-    buf = np.empty(4 + 2 * tokens.shape[0] + 16, dtype=np.uint8)
-    start = _rans_encode(tokens, np.ascontiguousarray(ctx, np.uint8), freq, cum, SCALE_BITS, buf)
+    tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
+    buf = np.empty(4 * lanes + 2 * tokens.shape[0] + 16, dtype=np.uint8)
+    start = encode_kernel(tokens, np.ascontiguousarray(ctx, np.uint8), freq, cum, SCALE_BITS, lanes,
+                         buf)
     return buf[start:].tobytes()
 
 
-def decode_tokens(data: bytes, ctx: np.ndarray, freq: np.ndarray) -> np.ndarray:
+def decode_tokens(data: bytes, ctx: np.ndarray, freq: np.ndarray, lanes: int = LANES) -> np.ndarray:
     """Inverse of code_tokens. Raises StreamError."""
     freq = np.ascontiguousarray(freq, np.uint32)
     cum = np.empty_like(freq)
-    _tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
+    tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
     lookup = np.zeros((freq.shape[0], 1 << SCALE_BITS), dtype=np.uint8)
-    _build_lookup(freq, cum, SCALE_BITS, lookup)
+    build_lookup(freq, cum, SCALE_BITS, lookup)
     out = np.empty(ctx.shape[0], dtype=np.uint8)
-    check(_rans_tokens(pad_bytes(np.frombuffer(data, np.uint8)), len(data),
-                       np.ascontiguousarray(ctx, np.uint8), freq, cum, lookup, SCALE_BITS, out))
+    check(decode_kernel(pad_bytes(np.frombuffer(data, np.uint8)), len(data),
+                       np.ascontiguousarray(ctx, np.uint8), freq, cum, lookup, SCALE_BITS, lanes,
+                       out))
     return out
 
 

@@ -11,7 +11,8 @@ from stitch_core.format.dtypes import INFOS
 from stitch_core.format.entropy import min_stream_bytes
 
 FORMAT_NAME = "stitch-patch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this build writes; 2: streams may have several rANS lanes
+READ_VERSIONS = (1, 2)  # what it reads (version 1 streams all have one lane)
 MAX_NUMEL = 1 << 40  # elements per tensor
 MAX_CHUNK_SPAN = 1 << 24  # positions per chunk: bounds every allocation of the decoder
 MAX_NAME = 1024
@@ -127,7 +128,7 @@ class PatchHeader(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     format: Literal["stitch-patch"] = FORMAT_NAME
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     run: str | None = None
     base_version: int | None = None
     target_version: int | None = None

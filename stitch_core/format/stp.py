@@ -24,7 +24,7 @@ from typing import BinaryIO
 from pydantic import ValidationError
 
 from stitch_core.errors import StitchError
-from stitch_core.format.header import FORMAT_VERSION, Chunk, PatchHeader
+from stitch_core.format.header import FORMAT_VERSION, READ_VERSIONS, Chunk, PatchHeader
 
 MAGIC = b"\x89STP\r\n\x1a\n"
 END_MAGIC = b"STPEND\x00\x01"
@@ -124,10 +124,12 @@ class PatchReader:
         magic, version, flags = PREAMBLE.unpack(f.read(PREAMBLE.size))
         if magic != MAGIC:
             raise _err("not a stitch patch (bad magic)")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise _err(
-                f"unsupported patch format version {version} (this build reads {FORMAT_VERSION})"
+                f"unsupported patch format version {version} (this build reads "
+                f"{', '.join(map(str, READ_VERSIONS))})"
             )
+        self.version = version
         if flags != 0:
             raise _err(f"unsupported patch flags {flags:#x}")
         f.seek(size - FOOTER.size)
@@ -175,6 +177,9 @@ class PatchReader:
         except (ValueError, ValidationError, RecursionError) as e:  # deep nesting: RecursionError
             first = str(e).splitlines()
             raise _err(f"malformed patch header: {' '.join(first[:3])}") from None
+        if header.format_version != self.version:
+            raise _err(f"patch header says format version {header.format_version}, its "
+                       f"preamble {self.version} (corrupt or forged)")
         self.data_end = hoff
         for t in header.tensors:
             for c in t.chunks:

@@ -446,9 +446,13 @@ def decode(data: bytes | memoryview, k: int, ctx: np.ndarray | None = None) -> n
     return out
 
 
-def code_tokens(tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray, lanes: int = LANES) -> bytes:
+def code_tokens(
+    tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray, lanes: int | None = None
+) -> bytes:
     """The rANS part of a stream alone: tokens (uint8) under contexts and frequency tables
-    (n_ctx, 256) summing to 2^SCALE_BITS. For comparisons with other coders (benchmarks)."""
+    (n_ctx, 256) summing to 2^SCALE_BITS, with `encode`'s lanes unless given. For comparisons
+    with other coders (benchmarks)."""
+    lanes = lanes_for(tokens.shape[0]) if lanes is None else lanes
     freq = np.ascontiguousarray(freq, np.uint32)
     cum = np.empty_like(freq)
     tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))
@@ -458,8 +462,11 @@ def code_tokens(tokens: np.ndarray, ctx: np.ndarray, freq: np.ndarray, lanes: in
     return buf[start:].tobytes()
 
 
-def decode_tokens(data: bytes, ctx: np.ndarray, freq: np.ndarray, lanes: int = LANES) -> np.ndarray:
+def decode_tokens(
+    data: bytes, ctx: np.ndarray, freq: np.ndarray, lanes: int | None = None
+) -> np.ndarray:
     """Inverse of code_tokens. Raises StreamError."""
+    lanes = lanes_for(ctx.shape[0]) if lanes is None else lanes
     freq = np.ascontiguousarray(freq, np.uint32)
     cum = np.empty_like(freq)
     tables(freq, SCALE_BITS, cum, np.empty(2 + freq.shape[0] * 770, dtype=np.uint8))

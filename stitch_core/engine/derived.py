@@ -12,8 +12,11 @@ copy is built from, how to rebuild it). This module then
 * rebuilds every copy whose sources share storage with what an apply wrote (`rebuild_from`):
   selection by *storage*, not by parameter name, so a tied weight rebuilds both the embedding's and
   the lm_head's copies;
-* proves a copy current (`stale`): each copy carries a stamp, the BLAKE2b digest of its sources'
-  bytes at the moment it was built; a copy whose sources no longer hash to its stamp was not
+* proves a copy current (`stale`): each copy carries a stamp, a 128-bit digest of its sources'
+  bytes at the moment it was built (`digest`: XXH3-128, ~17 GB/s on one core here where BLAKE2b
+  runs 0.9 GB/s; a stamp never leaves the process and guards against a forgotten rebuild, not an
+  adversary, so a non-cryptographic hash suffices; BLAKE2b-128 where `xxhash` is not installed).
+  A copy whose sources no longer hash to its stamp was not
   rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``). Inside
   an apply's write (the engine pause) the rank asks `not_rebuilt` instead: every copy built from
   what the write changed must have been stamped after the write began (each stamp takes a new
@@ -36,6 +39,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - a declared dependency
+    xxhash = None
 
 __all__ = ["DerivedCopy", "register", "copies", "rebuild_from", "stale", "unmanaged", "kinds",
            "digest", "generation", "not_rebuilt"]
@@ -68,9 +76,16 @@ class DerivedCopy:
         return digest(self.sources.values()) == self.stamp
 
 
+def _hasher():
+    if xxhash is None:  # a hand-made environment without the declared dependency
+        return hashlib.blake2b(digest_size=16)
+    return xxhash.xxh3_128()
+
+
 def digest(tensors: Iterable[torch.Tensor]) -> bytes:
-    """BLAKE2b-128 of the raw bytes of `tensors`, in order (shape and dtype included)."""
-    h = hashlib.blake2b(digest_size=16)
+    """A 128-bit digest (XXH3-128) of the raw bytes of `tensors`, in order (shape and dtype
+    included)."""
+    h = _hasher()
     for t in tensors:
         t = t.detach()
         h.update(f"{tuple(t.shape)}:{t.dtype};".encode())

@@ -249,7 +249,8 @@ class _VllmJob(_JobEngine):
             t = time.perf_counter()
             out = on_dirty(dirty)
             self.repack["seconds"] += time.perf_counter() - t
-            self.repack["layers"] += len(out or ())
+            # the worker's hook returns nothing; it keeps the re-packed layers' names
+            self.repack["layers"] += len(getattr(self.worker, "_stitch_repacked", None) or ())
             self.repack["dirty"] += len(dirty)
             return out
 

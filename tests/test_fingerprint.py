@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stitch_core._jit import SUM32_BLOCK
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.dtypes import INFOS
@@ -110,6 +111,16 @@ def test_paths_agree_across_torch_blocks(info, monkeypatch):
     monkeypatch.setattr(fpr, "_BLOCK", 7)  # many blocks, ragged last one
     t = random_tensor(info, 100, seed=3)
     assert fpr.fingerprint("w", t) == torch_path("w", t) == ref_fp("w", t)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=INFO_IDS)
+def test_vector_path_agrees_across_its_blocks_and_up_to_2_32(info):
+    # the CPU path sums blocks of SUM32_BLOCK elements in 32-bit lanes while every position is
+    # below 2^32: several blocks with a ragged tail, starting at 0 and ending exactly at 2^32
+    n = 2 * SUM32_BLOCK + 17
+    t = random_tensor(info, n, seed=9)
+    for offset in (0, 3, (1 << 32) - n, (1 << 32) - n + 1):
+        assert fpr.fingerprint("w", t, offset=offset) == torch_path("w", t, offset), offset
 
 
 def test_empty_and_scalar():

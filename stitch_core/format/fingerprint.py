@@ -27,12 +27,12 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from stitch_core._jit import numba
+from stitch_core._jit import MIX_MUL, SUM32_BLOCK, numba, sum32_block
 from stitch_core.format import dtypes
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
-_MUL = 0x45D9F3B
+_MUL = MIX_MUL  # one owner: stitch_core._jit, which emits the same mixer in LLVM IR
 _BLOCK = 1 << 22  # elements hashed per step, bounds temporary memory
 
 
@@ -108,8 +108,17 @@ element_hash_nb = _h
 @numba.njit(cache=True, nogil=True)
 def _sum_cpu(bits, offset, seed, itemsize):  # pragma: no cover - compiled
     """The same sum as the torch path, one pass, for CPU tensors (int views as numpy)."""
+    n = bits.shape[0]
     acc = np.uint64(0)
-    for j in range(bits.shape[0]):
+    if itemsize < 8 and offset + n <= 0x100000000:
+        # every position below 2^32 and every item at most 4 bytes: h has no branch left, and
+        # sum32_block runs it in 32-bit vector lanes (stitch_core._jit)
+        mask = (np.int64(1) << (8 * itemsize)) - 1
+        for s in range(0, n, SUM32_BLOCK):
+            c = min(SUM32_BLOCK, n - s)
+            acc += np.uint64(sum32_block(bits, s, c, offset + s, seed, mask))
+        return acc
+    for j in range(n):
         acc += _h(np.int64(offset + j), np.int64(bits[j]), seed, itemsize)
     return acc
 

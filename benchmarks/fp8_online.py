@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The pause of an in-place apply against the engine's own reload: vLLM serving a bf16 checkpoint
-as bf16 and with online FP8 (``quantization="fp8_per_block"``), the same versions, one run.
+as bf16 and with online FP8 (``quantization="fp8_per_block"``, ``"fp8_per_tensor"``,
+``"fp8_per_channel"``), the same versions, one run.
 
 Per version k (1..V) of one model, two engines one after the other (in-process ``LLM``, TP=1, CPU):
 
@@ -20,9 +21,11 @@ numbers (tests/vllm/test_fp8_online.py checks the follower against a *fresh* eng
 Data: the realistic test shape (``stitch_dev.tinymodel.REALISTIC``: Llama, 24 layers, hidden 512,
 GQA 8/2, MLP 1376, 32.8k vocab, tied embeddings; 83M parameters) from its random bf16 weights as
 fp32 masters, each version the bf16 cast of the masters after an Adam-like step (every element
-moves by ``lr * sign(noise)``). vLLM's CPU FP8 block kernels need AMX: on hosts without it the
-dev stand-in kernel serves (``STITCH_DEV_FP8_KERNEL=auto``); the stand-in does not take part in
-either timed path (re-quantization is vLLM's ``per_block_cast_to_fp8``).
+moves by ``lr * sign(noise)``). vLLM's CPU FP8 kernels need AMX: on hosts without it the
+dev stand-in kernel serves (``STITCH_DEV_FP8_KERNEL=auto``); the stand-in kernel does not take
+part in either timed path (re-quantization is vLLM's method). vLLM's CPU build has no static
+per-tensor quantization op: ``fp8_per_tensor`` quantizes with the stand-in's torch copy of the
+CUDA kernel's arithmetic, in both paths.
 
     .venv-vllm/bin/python benchmarks/fp8_online.py [--versions 3] [--lr 1e-6] [--md FILE]
 """
@@ -176,6 +179,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--md", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quant", default="bf16,fp8_per_block,fp8_per_tensor,fp8_per_channel",
+                    help="engines to run: bf16 and/or vLLM online FP8 methods")
     a = ap.parse_args()
     from stitch_vllm.fp8 import install_fp8_keeper
 
@@ -188,7 +193,8 @@ def main() -> None:
     try:
         dirs = make_versions(work, a.versions, a.lr)
         out = {}
-        for label, quant in (("bf16", None), ("online fp8 (fp8_per_block)", "fp8_per_block")):
+        for q in a.quant.split(","):
+            label, quant = ("bf16", None) if q == "bf16" else (f"online fp8 ({q})", q)
             f, r = follow(dirs, quant), reload(dirs, quant)
             for fr, rr in zip(f, r, strict=True):
                 fr["reload_s"] = rr["reload_s"]

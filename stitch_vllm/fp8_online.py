@@ -1,5 +1,6 @@
-"""vLLM's online FP8 (``--quantization fp8_per_block`` / ``fp8_per_tensor`` / ``fp8_ptpc`` on a
-BF16 checkpoint): follow patches of the bf16 view, re-quantize with vLLM's own quantizer.
+"""vLLM's online FP8 (``--quantization fp8_per_block`` / ``fp8_per_tensor`` /
+``fp8_per_channel`` on a BF16 checkpoint): follow patches of the bf16 view, re-quantize with
+vLLM's own quantizer.
 
 vLLM 0.32's online methods (``vllm.model_executor.layers.quantization.online.fp8``:
 ``Fp8PerBlockOnlineLinearMethod``, ``Fp8PerTensorOnlineLinearMethod``,

@@ -71,8 +71,9 @@ def register() -> None:
 
 
 def install_dev_fp8_kernel() -> str | None:
-    """Tests only: the dev stand-in FP8 block-scaled kernel (``stitch_dev.fp8_kernel``), which
-    adds itself to vLLM's CPU kernel list when its variable STITCH_DEV_FP8_KERNEL is set
+    """Tests only: the dev stand-in FP8 kernels (``stitch_dev.fp8_kernel``: block, per-tensor and
+    per-channel scales, and the static quantization op vLLM's CPU build lacks), which add
+    themselves to vLLM's CPU kernel lists when its variable STITCH_DEV_FP8_KERNEL is set
     (``standin``, ``auto`` or ``standin-packed``; read through ``stitch_core.settings``).
     stitch_dev is not in the wheel: without the source tree on the path a warning says so and
     vLLM chooses its own FP8 kernels.

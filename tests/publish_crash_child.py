@@ -41,7 +41,7 @@ def kill_mid_object(board) -> None:
     """Make the board's first `put` of a file read half of it from a pipe, then SIGKILL."""
     real_put = board.put
 
-    async def put(key: str, src):
+    async def put(key: str, src, *, sha256=None):
         size = src.stat().st_size
         fifo = src.with_name(src.name + ".fifo")
         os.mkfifo(fifo)

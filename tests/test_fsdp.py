@@ -203,7 +203,7 @@ def worker(work: Path, rank: int) -> None:
         if rank == 1:  # this rank's upload fails: both ranks must raise, none may hang
             put = pub.board.put
 
-            async def failing(key, src):
+            async def failing(key, src, **kw):
                 raise BoardError(f"injected failure for {key}")
 
             pub.board.put = failing

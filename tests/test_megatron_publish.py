@@ -91,7 +91,7 @@ def worker(work: Path, rank: int) -> None:
                 put = pub.board.put
                 if rank == 1:
 
-                    async def failing(key, src):
+                    async def failing(key, src, **kw):
                         raise BoardError(f"injected failure for {key}")
 
                     pub.board.put = failing

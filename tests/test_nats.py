@@ -138,6 +138,39 @@ async def test_get_verified_checks_the_manifest_digest_while_streaming(board, tm
         assert not bad.exists() and not bad.with_name(bad.name + ".part").exists()
 
 
+async def test_put_with_the_writers_digest_does_not_hash_again(board, tmp_path, monkeypatch):
+    """`put(..., sha256=)` (what publishing passes: the digest the patch writer computed as it
+    wrote, listed in the manifest) is stored as the object store's digest without hashing the
+    content again; readers check it against the manifest as it streams, so a wrong one is
+    caught there; a retry of the same content with the same digest is accepted."""
+    import hashlib
+
+    from stitch_core.versions.board import nats as nats_board
+
+    data = os.urandom(2 * CHUNK + 5)
+    sha = hashlib.sha256(data).hexdigest()
+    src = tmp_path / "p.stp"
+    src.write_bytes(data)
+    hashed: list[int] = []
+    real = hashlib.sha256
+    monkeypatch.setattr(nats_board.hashlib, "sha256", lambda *a: hashed.append(1) or real(*a))
+    await board.put("r/versions/000003/p.stp", src, sha256=sha)
+    await board.put("r/versions/000003/p.stp", src, sha256=sha)  # a retry: same content
+    assert hashed == []
+    monkeypatch.setattr(nats_board.hashlib, "sha256", real)
+    dest = tmp_path / "got.stp"
+    await board.get_verified("r/versions/000003/p.stp", dest, len(data), sha)
+    assert dest.read_bytes() == data
+    # a writer that names the wrong digest: the content is stored under it, and a reader
+    # refuses it as it streams (the content does not match the object store's digest)
+    await board.put("r/versions/000004/p.stp", src, sha256="ab" * 32)
+    with pytest.raises(BoardError, match="metadata says"):
+        await board.get_verified("r/versions/000004/p.stp", tmp_path / "x.stp", len(data),
+                                 "ab" * 32)
+    with pytest.raises(ValueError, match="64 hex digits"):
+        await board.put("r/versions/000005/p.stp", src, sha256="abc")
+
+
 async def test_objects_are_immutable(board, tmp_path):
     key = "r/versions/000002/a.bin"
     await board.put(key, b"content")

@@ -47,9 +47,9 @@ class DyingBoard(LocalBoard):
         if self.kill_at is not None and self.writes >= self.kill_at:
             raise Killed(f"write {self.writes}")
 
-    async def put(self, key, src) -> None:
+    async def put(self, key, src, *, sha256=None) -> None:
         self._write()
-        await super().put(key, src)
+        await super().put(key, src, sha256=sha256)
 
     async def delete(self, key) -> None:
         self._write()

@@ -90,7 +90,7 @@ async def write_version(board: Board, manifest: Manifest, files: dict[str, Path]
         manifest = signer.sign(manifest, "manifest")
     vdir = version_dir(manifest.run, manifest.version)
     for ref in manifest.objects:
-        await board.put(f"{vdir}/{ref.path}", files[ref.path])
+        await board.put(f"{vdir}/{ref.path}", files[ref.path], sha256=ref.sha256)
         kill_point("publish:after-object")
     kill_point("publish:after-objects")
     await board.put(manifest_key(manifest.run, manifest.version),
@@ -209,7 +209,7 @@ async def write_span(board: Board, span: Span, files: dict[str, Path],
         span = signer.sign(span, "span")
     vdir = version_dir(span.run, span.version)
     for ref in span.objects:
-        await board.put(f"{vdir}/{ref.path}", files[ref.path])
+        await board.put(f"{vdir}/{ref.path}", files[ref.path], sha256=ref.sha256)
     await board.put(span_key(span.run, span.version, span.base),
                     span.model_dump_json(indent=1).encode())
     return span

@@ -50,7 +50,7 @@ class TamperingBoard(LocalBoard):
             return int(parts[2])
         return None
 
-    async def put(self, key: str, src: bytes | Path) -> None:
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
         v = self._version(key)
         name = key.rsplit("/", 1)[-1]
         if v is not None and (v in self.bad or v in self.pad_manifest):
@@ -71,7 +71,7 @@ class TamperingBoard(LocalBoard):
                 if v in self.pad_manifest:
                     data = data + b" " * max(0, self.pad_manifest[v] - len(data))
             return await super().put(key, data)
-        return await super().put(key, src)
+        return await super().put(key, src, sha256=sha256)
 
     def restore(self) -> None:
         """Put the good bytes back in place (an operator repairing the board)."""

@@ -119,8 +119,12 @@ class Board(ABC):
         return False
 
     @abstractmethod
-    async def put(self, key: str, src: bytes | Path) -> None:
-        """Store an immutable object durably. Rewriting a key with other content is an error."""
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
+        """Store an immutable object durably. Rewriting a key with other content is an error.
+        `sha256`: the content's digest where the caller already has it (a manifest's object
+        entry, computed by the patch writer as it wrote), so a board that stores a digest
+        beside the object (NATS) need not hash it again; readers check objects against the
+        manifest either way."""
 
     @abstractmethod
     async def exists(self, key: str) -> bool: ...

@@ -215,7 +215,7 @@ class FallbackBoard(Board):
     async def list_versions(self, run: str) -> list[int] | None:
         return await self._first_listing(lambda b: b.list_versions(run))
 
-    async def put(self, key: str, src: bytes | Path) -> None:
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
         raise ReadOnlyBoardError(
             f"{self.url} is a list of read-only replicas; publish to the origin")
 

@@ -249,7 +249,7 @@ class HttpBoard(Board):
             raise reject(f"got {have} bytes, expected {size}")
         tmp.replace(dest)
 
-    async def put(self, key: str, src: bytes | Path) -> None:
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
         raise ReadOnlyBoardError(f"HTTP board {self.url} is read-only; publish to the board "
                                  f"directory it serves (or a local/NATS board) instead")
 

@@ -151,7 +151,7 @@ class LocalBoard(Board):
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def put(self, key: str, src: bytes | Path) -> None:
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
         await asyncio.to_thread(self._put, key, src)
 
     async def exists(self, key: str) -> bool:

@@ -85,6 +85,15 @@ def _digest_bytes(digest: str | None) -> bytes:
     return base64.urlsafe_b64decode(d + "=" * (-len(d) % 4))
 
 
+def _known_digest(sha256: str | None) -> bytes | None:
+    """A caller's hex SHA-256 as bytes (None stays None); anything else is a caller's bug."""
+    if sha256 is None:
+        return None
+    if len(sha256) != 64:
+        raise ValueError(f"sha256 must be 64 hex digits, got {sha256!r}")
+    return bytes.fromhex(sha256)
+
+
 def _sha256(src: bytes | Path) -> tuple[bytes, int]:
     h = hashlib.sha256()
     if isinstance(src, Path):
@@ -378,22 +387,33 @@ class NatsBoard(Board):
         with self._errors(f"exists {key}"):
             return await self._info(key) is not None
 
-    async def put(self, key: str, src: bytes | Path) -> None:
+    async def put(self, key: str, src: bytes | Path, *, sha256: str | None = None) -> None:
+        """Upload `src` as `key`. The object store keeps a SHA-256 of the content in the
+        object's metadata: `sha256` (the digest the patch writer computed as it wrote, listed
+        in the manifest) is used as that digest instead of hashing the content again while it
+        streams; a wrong one is caught by every reader, which checks the streamed digest
+        against the manifest."""
         check_key(key)
+        known = _known_digest(sha256)
         with self._errors(f"put {key}"):
             info = await self._info(key)
             if info is None:
-                if await self._upload(key, src):
+                if await self._upload(key, src, known):
                     return
                 info = await self._info(key)  # lost a race to another writer: compare
                 assert info is not None
-            digest, size = await asyncio.to_thread(_sha256, src)
+            if known is not None:
+                size = src.stat().st_size if isinstance(src, Path) else len(src)
+                digest = known
+            else:
+                digest, size = await asyncio.to_thread(_sha256, src)
             if info.size != size or _digest_bytes(info.digest) != digest:
                 raise BoardError(f"{key} already exists with other content "
                                  "(versions are immutable)")
 
-    async def _upload(self, key: str, src: bytes | Path) -> bool:
-        """Write a new object; False (and nothing written) if `key` appeared meanwhile."""
+    async def _upload(self, key: str, src: bytes | Path, known: bytes | None = None) -> bool:
+        """Write a new object; False (and nothing written) if `key` appeared meanwhile. `known`:
+        the content's SHA-256 (not computed again), else it is computed as the chunks go."""
         await self._objects(create=True)
         js = await self._ready()
         nc = self._nc
@@ -404,7 +424,8 @@ class NatsBoard(Board):
         acks = _Acks()
         sub = await nc.subscribe(f"{inbox}.*", cb=acks.on_reply)
         chunk = min(CHUNK, nc.max_payload)
-        h, size, sent = hashlib.sha256(), 0, 0
+        h = hashlib.sha256() if known is None else None
+        size = sent = 0
         f = await asyncio.to_thread(open, src, "rb") if isinstance(src, Path) else None
         try:
             view = memoryview(src) if isinstance(src, bytes) else None
@@ -416,7 +437,8 @@ class NatsBoard(Board):
                     data = bytes(view[size:size + chunk])
                 if not data:
                     break
-                h.update(data)
+                if h is not None:
+                    h.update(data)
                 await nc.publish(chunk_subject, data, reply=f"{inbox}.{sent}")
                 sent += 1
                 size += len(data)
@@ -425,7 +447,8 @@ class NatsBoard(Board):
             info = api.ObjectInfo(
                 name=key, bucket=self.bucket, nuid=nuid, size=size, chunks=sent,
                 mtime=datetime.now(UTC).isoformat(),
-                digest=_DIGEST + base64.urlsafe_b64encode(h.digest()).decode(),
+                digest=_DIGEST + base64.urlsafe_b64encode(
+                    known if h is None else h.digest()).decode(),
                 options=api.ObjectMetaOptions(max_chunk_size=chunk))
             headers = {api.Header.ROLLUP: "sub", api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: "0"}
             try:

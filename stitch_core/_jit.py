@@ -104,7 +104,9 @@ def _sum32_block_intrinsic():
     vectorizer gets 4 lanes per 256-bit register. Here every operation is 32-bit (position,
     mixer, and two accumulators for the low and high 16-bit halves of each hash, which cannot
     overflow in SUM32_BLOCK steps), so it gets 8 or 16. Checked against the torch reference in
-    tests/test_fingerprint.py."""
+    tests/test_fingerprint.py. numba's on-disk cache of a caller is keyed on the caller's own
+    source file: a change to this code generation alone does not invalidate it (touch the
+    caller, format/fingerprint.py, or clear NUMBA_CACHE_DIR)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils

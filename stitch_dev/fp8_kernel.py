@@ -162,18 +162,21 @@ def _kernel_classes() -> dict[str, type]:
     from vllm.model_executor.utils import replace_parameter
     from vllm.platforms import current_platform
 
-    class StitchDevStandinFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
-        """Dequantise the block-scaled weight, then a matmul in the activations' dtype."""
-
-        name = NAME
-
-        apply_input_quant = False  # activations stay bf16: a weight-only (W8A16) stand-in
+    class _CpuOnly:
+        """What every stand-in kernel shares: vLLM chooses it on the CPU only."""
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None):
             if not current_platform.is_cpu():
                 return False, "stitch_dev stand-in: CPU only"
             return True, None
+
+    class StitchDevStandinFp8BlockKernel(_CpuOnly, Fp8BlockScaledMMLinearKernel):
+        """Dequantise the block-scaled weight, then a matmul in the activations' dtype."""
+
+        name = NAME
+
+        apply_input_quant = False  # activations stay bf16: a weight-only (W8A16) stand-in
 
         @classmethod
         def can_implement(cls, config):
@@ -207,17 +210,11 @@ def _kernel_classes() -> dict[str, type]:
         def apply_block_scaled_mm(self, A, B, As, Bs):
             return torch.nn.functional.linear(A, B.to(A.dtype))
 
-    class StitchDevStandinFp8ScaledMMKernel(FP8ScaledMMLinearKernel):
+    class StitchDevStandinFp8ScaledMMKernel(_CpuOnly, FP8ScaledMMLinearKernel):
         """Per-tensor or per-channel scaled FP8 weights: dequantise, then a matmul in the
         activations' dtype (weight-only: activations are not quantized)."""
 
         name = NAME
-
-        @classmethod
-        def is_supported(cls, compute_capability: int | None = None):
-            if not current_platform.is_cpu():
-                return False, "stitch_dev stand-in: CPU only"
-            return True, None
 
         @classmethod
         def can_implement(cls, config):

@@ -219,12 +219,14 @@ class Settings(BaseModel):
     sglang: bool = Field(True, description=(
         "SGLang only: false switches the plugin off in every process (a plain SGLang server)"))
     dev_fp8_kernel: Literal["standin", "auto", "standin-packed"] | None = Field(None, description=(
-        "tests only, vLLM on the CPU: the dev stand-in FP8 kernels (`stitch_dev.fp8_kernel`, "
-        "not in the wheel; needs the source tree on the engine's path) for block, per-tensor "
+        "tests only, on the CPU: the dev stand-in FP8 kernels (not in the wheel; needs the "
+        "source tree on the engine's path). vLLM (`stitch_dev.fp8_kernel`): block, per-tensor "
         "and per-channel scales, and a stand-in of the static per-tensor quantization op the "
-        "CPU build lacks: `standin` always, `auto` only where vLLM has no FP8 kernel, "
-        "`standin-packed` the block stand-in with a packed copy; `/stitch/status` names the "
-        "kernel that serves (see \"FP8 engines\")"))
+        "CPU build lacks. SGLang (`stitch_dev.sgl_cpu_kernel`): its CPU AMX weight ops (VNNI "
+        "packing, packed bf16 and FP8 matmuls), which also pack bf16 linear layers and the "
+        "lm_head. `standin` always, `auto` only where the engine has no FP8 kernel, "
+        "`standin-packed` (vLLM) the block stand-in with a packed copy; `/stitch/status` names "
+        "the kernel that serves (see \"FP8 engines\")"))
     dev_host_alloc: Literal["plain"] | None = Field(None, description=(
         "tests only, SGLang on a host without a GPU driver: `plain` has SGLang allocate its "
         "pinned host buffers (the routed-experts capture's) with plain `torch.empty` instead "

@@ -10,7 +10,10 @@ failing plugin and carries on without it, so this function logs what it did at W
 * the child processes (the schedulers): the routed-experts hooks of `stitch_sglang.routed`
   (each routing row returned is the one of its position's first forward, across retracts);
 * every process, first and whatever STITCH_SGLANG says, tests only: the dev host allocator when
-  STITCH_DEV_HOST_ALLOC is set (`install_dev_host_alloc`);
+  STITCH_DEV_HOST_ALLOC is set (`install_dev_host_alloc`) and the dev stand-in for SGLang's CPU
+  AMX weight kernels when STITCH_DEV_FP8_KERNEL is set (`install_dev_fp8_kernel`);
+* the schedulers: the post-load keeper of `stitch_sglang.cpu` (packed and FP8 layers keep their
+  loader-format tensors; what the kernels read is rebuilt after a patch and proven);
 * the main process only (`multiprocessing.parent_process() is None`; registering there imports
   the HTTP server module): a BEFORE hook on `http_server._setup_and_run_http_server` adds
   `stitch_sglang.server.StitchMiddleware` to SGLang's app, and an AROUND hook on
@@ -48,6 +51,7 @@ def register() -> None:
     plugin is off or SGLang lacks the plugin API (the dev host allocator is installed first,
     whatever STITCH_SGLANG says: plain engines need it too)."""
     install_dev_host_alloc()
+    install_dev_fp8_kernel()
     if not enabled():
         if multiprocessing.parent_process() is None:  # once per server, not per rank
             log.warning("stitch: STITCH_SGLANG is off: the Stitch plugin is off")
@@ -64,6 +68,9 @@ def register() -> None:
     io_struct.hook_custom_types(StitchCallReqInput, StitchCallReqOutput)
     HookRegistry.register(SCHEDULER_HOOK, install_handler, HookType.AFTER)
     if multiprocessing.parent_process() is not None:  # a scheduler (or the detokenizer)
+        from .cpu import install_post_load_keeper
+
+        install_post_load_keeper()  # before the model loads: packed / FP8 layers keep masters
         for target, hook, kind in routed_hooks():  # routed experts: first-forward rows kept
             HookRegistry.register(target, hook, getattr(HookType, kind))
     else:  # SGLang spawns its schedulers as children
@@ -96,6 +103,34 @@ def install_dev_host_alloc(env: dict[str, str] | None = None) -> str | None:
         return host_alloc.install(mode)
     except Exception:
         log.exception("stitch: the dev host allocator was not installed")
+        return None
+
+
+def install_dev_fp8_kernel(env: dict[str, str] | None = None) -> str | None:
+    """Tests only: the dev stand-in for SGLang's CPU AMX weight kernels
+    (`stitch_dev.sgl_cpu_kernel`: VNNI packing, packed bf16 and FP8 block / per-tensor matmuls)
+    when STITCH_DEV_FP8_KERNEL is set (`standin`, `standin-packed` or `auto`; read through
+    `stitch_core.settings`). stitch_dev is not in the wheel: without the source tree on the path
+    a warning says so and SGLang keeps its own kernels. The stand-in's name, or None."""
+    from stitch_core.settings import Settings, SettingsError
+
+    try:
+        mode = Settings.read("dev_fp8_kernel", env)
+    except SettingsError as e:
+        log.warning("stitch: %s; no FP8 stand-in installed", e)
+        return None
+    if not mode:
+        return None
+    try:
+        from stitch_dev import sgl_cpu_kernel
+    except ImportError:  # the wheel alone
+        log.warning("stitch: STITCH_DEV_FP8_KERNEL=%s needs stitch_dev (the source tree) on the "
+                    "engine's path; it is not in the wheel: SGLang keeps its own kernels", mode)
+        return None
+    try:
+        return sgl_cpu_kernel.install(mode)
+    except Exception:
+        log.exception("stitch: the dev stand-in for SGLang's CPU kernels was not installed")
         return None
 
 

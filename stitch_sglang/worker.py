@@ -79,7 +79,13 @@ def _replica(scheduler: Any):
         identity = {"engine": "sglang", "version": _sglang_version(), **code_identity(model),
                     "dtype": str(getattr(args, "dtype", None)),
                     "quantization": getattr(args, "quantization", None), "rank": info}
-        rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity))
+        from .cpu import kernel_names, rebuild_dirty
+
+        fp8 = kernel_names(model)
+        if fp8:  # which kernels serve the quantized layers (shown in /stitch/status)
+            info = {**info, "kernels": {"fp8": ", ".join(fp8)}}
+        rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity),
+                          on_dirty=lambda dirty: rebuild_dirty(model, dirty))
         scheduler._stitch_rep = rep
     return rep
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from stitch_core.engine import derived
-from stitch_core.engine.layout import engine_params
+from stitch_core.engine.postload import rebuild_dirty
 
 __all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
 
@@ -142,5 +142,4 @@ def _repack_moe(experts, layer: torch.nn.Module) -> None:
 def repack_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:
     """Re-pack every module whose packed copy is built from a changed parameter (by storage: a
     tied lm_head re-packs with the embedding); the modules' names, sorted."""
-    params = engine_params(model)
-    return derived.rebuild_from(model, [params[n] for n in set(dirty_params) if n in params])
+    return rebuild_dirty(model, dirty_params)

@@ -43,13 +43,10 @@ layout learning names the group and the parameter).
 
 from __future__ import annotations
 
-import functools
-import importlib.abc
-import sys
-
 import torch
 
-from stitch_core.engine import derived
+from stitch_core.engine.import_hooks import after_import
+from stitch_core.engine.postload import wrap_post_load
 
 from .fp8_online import ONLINE_MODULE, wrap_online_methods
 
@@ -57,94 +54,27 @@ __all__ = ["install_fp8_keeper", "kernel_names", "FP8_PARAMS"]
 
 FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
 FP8_PARAMS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
-_ORIG = None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride()
-            and (not a.numel() or a.data_ptr() == b.data_ptr()))
+def _kind(method, layer: torch.nn.Module) -> str:
+    return f"fp8:{type(getattr(method, 'fp8_linear', None)).__name__}"
+
+
+def _wrap_fp8(mod) -> None:
+    wrap_post_load(mod.Fp8LinearMethod, _kind, FP8_PARAMS)
 
 
 # what to wrap in each module, once it is imported
-_HOOKS = {FP8_MODULE: lambda mod: _wrap(mod.Fp8LinearMethod),
-          ONLINE_MODULE: wrap_online_methods}
+_HOOKS = {FP8_MODULE: _wrap_fp8, ONLINE_MODULE: wrap_online_methods}
 
 
 def install_fp8_keeper() -> bool:
-    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` and the online FP8 methods'
-    (``stitch_vllm.fp8_online``), idempotent: now for vLLM's FP8 modules already imported, else
-    as soon as they are (importing them costs seconds, and most engines never load an FP8 model).
+    """Wrap ``Fp8LinearMethod.process_weights_after_loading`` (``stitch_core.engine.postload``)
+    and the online FP8 methods' (``stitch_vllm.fp8_online``), idempotent: now for vLLM's FP8
+    modules already imported, else as soon as they are (``stitch_core.engine.import_hooks``:
+    importing them costs seconds, and most engines never load an FP8 model).
     True once both are wrapped."""
-    done = 0
-    for name, hook in _HOOKS.items():
-        mod = sys.modules.get(name)
-        if mod is not None:
-            hook(mod)
-            done += 1
-    if done < len(_HOOKS) and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
-    return done == len(_HOOKS)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds vLLM's FP8 modules through the other finders and wraps their methods once loaded."""
-
-    def find_spec(self, name, path, target=None):
-        hook = _HOOKS.get(name)
-        if hook is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            hook(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def _wrap(cls) -> None:
-    global _ORIG
-    if _ORIG is not None:
-        return
-    orig = cls.process_weights_after_loading
-    _ORIG = orig
-
-    def process_weights_after_loading(self, layer):
-        kept = {n: p for n in FP8_PARAMS
-                if isinstance(p := layer._parameters.get(n), torch.nn.Parameter)}
-        orig(self, layer)
-        now = {n: layer._parameters.get(n) for n in kept}
-        if all(isinstance(t, torch.Tensor) and _same(t.data, kept[n].data)
-               for n, t in now.items()):
-            layer._stitch_masters = kept  # the kernel reads these very tensors
-            return
-        # transformed: keep the loader-format tensors, rebuild the kernel's state from them
-        layer._stitch_masters = kept
-        kernel = type(getattr(self, "fp8_linear", None)).__name__
-        derived.register(layer, f"fp8:{kernel}", kept,
-                         functools.partial(_rebuild, self, layer))
-
-    process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls.process_weights_after_loading = process_weights_after_loading
-
-
-def _rebuild(method, layer: torch.nn.Module) -> None:
-    """Re-run the layer's post-load step from its (patched) loader-format masters."""
-    for n, master in layer._stitch_masters.items():
-        layer._parameters[n] = master
-    _ORIG(method, layer)
+    return after_import(_HOOKS) == len(_HOOKS)
 
 
 def kernel_names(model: torch.nn.Module) -> dict[str, int]:

@@ -211,13 +211,16 @@ class Layout:
 def engine_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Canonical engine params; a packed layer's kept masters replace its packed params, and
     parameters that only hold a derived copy (``stitch_core.engine.derived`` holders, e.g. the
-    scales an online quantizer computes from a bf16 master) are not weights of their own."""
+    scales an online quantizer computes from a bf16 master) are not weights of their own, nor
+    are those an adapter names in a module's ``_stitch_constants`` (engine defaults that no
+    checkpoint tensor supplies, e.g. SGLang's KV-cache scales of a checkpoint without any)."""
     out: dict[str, torch.nn.Parameter] = {}
     for mod_name, mod in model.named_modules():
         masters = getattr(mod, "_stitch_masters", None) or {}
         held = getattr(getattr(mod, "_stitch_derived", None), "holders", ())
+        consts = getattr(mod, "_stitch_constants", ())  # engine defaults no checkpoint supplies
         for pname, p in mod.named_parameters(recurse=False):
-            if pname in held and pname not in masters:
+            if (pname in held and pname not in masters) or pname in consts:
                 continue
             full = f"{mod_name}.{pname}" if mod_name else pname
             out.setdefault(full, masters.get(pname, p))

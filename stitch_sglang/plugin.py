@@ -80,58 +80,23 @@ def register() -> None:
 
 def install_dev_host_alloc(env: dict[str, str] | None = None) -> str | None:
     """Tests only: SGLang's CPU host buffers (the routed-experts capture's) allocated without
-    `cudaHostRegister` (`stitch_dev.host_alloc`) when STITCH_DEV_HOST_ALLOC is set (`plain`; read
-    through `stitch_core.settings`). stitch_dev is not in the wheel: without the source tree on
-    the path a warning says so and SGLang keeps its allocator. The allocator installed, or None."""
-    from stitch_core.settings import Settings, SettingsError
+    `cudaHostRegister` (`stitch_dev.host_alloc`) when STITCH_DEV_HOST_ALLOC is set (`plain`);
+    see `stitch_core.engine.dev_hooks`. The allocator installed, or None."""
+    from stitch_core.engine.dev_hooks import install_dev
 
-    try:
-        mode = Settings.read("dev_host_alloc", env)
-    except SettingsError as e:
-        log.warning("stitch: %s; SGLang keeps its host allocator", e)
-        return None
-    if not mode:
-        return None
-    try:
-        from stitch_dev import host_alloc
-    except ImportError:  # the wheel alone
-        log.warning("stitch: STITCH_DEV_HOST_ALLOC=%s needs stitch_dev (the source tree) on the "
-                    "engine's path; it is not in the wheel: SGLang keeps its host allocator "
-                    "(cudaHostRegister)", mode)
-        return None
-    try:
-        return host_alloc.install(mode)
-    except Exception:
-        log.exception("stitch: the dev host allocator was not installed")
-        return None
+    return install_dev("dev_host_alloc", "host_alloc",
+                       "SGLang keeps its host allocator (cudaHostRegister)", log, env)
 
 
 def install_dev_fp8_kernel(env: dict[str, str] | None = None) -> str | None:
     """Tests only: the dev stand-in for SGLang's CPU AMX weight kernels
     (`stitch_dev.sgl_cpu_kernel`: VNNI packing, packed bf16 and FP8 block / per-tensor matmuls)
-    when STITCH_DEV_FP8_KERNEL is set (`standin`, `standin-packed` or `auto`; read through
-    `stitch_core.settings`). stitch_dev is not in the wheel: without the source tree on the path
-    a warning says so and SGLang keeps its own kernels. The stand-in's name, or None."""
-    from stitch_core.settings import Settings, SettingsError
+    when STITCH_DEV_FP8_KERNEL is set (`standin`, `standin-packed` or `auto`); see
+    `stitch_core.engine.dev_hooks`. The stand-in's name, or None."""
+    from stitch_core.engine.dev_hooks import install_dev
 
-    try:
-        mode = Settings.read("dev_fp8_kernel", env)
-    except SettingsError as e:
-        log.warning("stitch: %s; no FP8 stand-in installed", e)
-        return None
-    if not mode:
-        return None
-    try:
-        from stitch_dev import sgl_cpu_kernel
-    except ImportError:  # the wheel alone
-        log.warning("stitch: STITCH_DEV_FP8_KERNEL=%s needs stitch_dev (the source tree) on the "
-                    "engine's path; it is not in the wheel: SGLang keeps its own kernels", mode)
-        return None
-    try:
-        return sgl_cpu_kernel.install(mode)
-    except Exception:
-        log.exception("stitch: the dev stand-in for SGLang's CPU kernels was not installed")
-        return None
+    return install_dev("dev_fp8_kernel", "sgl_cpu_kernel", "SGLang keeps its own kernels", log,
+                       env)
 
 
 # stitch_sglang.server (stitch_core's gate, hence prometheus_client) is imported only when the

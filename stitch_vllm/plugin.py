@@ -74,24 +74,8 @@ def install_dev_fp8_kernel() -> str | None:
     """Tests only: the dev stand-in FP8 kernels (``stitch_dev.fp8_kernel``: block, per-tensor and
     per-channel scales, and the static quantization op vLLM's CPU build lacks), which add
     themselves to vLLM's CPU kernel lists when its variable STITCH_DEV_FP8_KERNEL is set
-    (``standin``, ``auto`` or ``standin-packed``; read through ``stitch_core.settings``).
-    stitch_dev is not in the wheel: without the source tree on the path a warning says so and
-    vLLM chooses its own FP8 kernels.
+    (``standin``, ``auto`` or ``standin-packed``); see ``stitch_core.engine.dev_hooks``.
     The mode installed, or None."""
-    from stitch_core.settings import Settings, SettingsError
+    from stitch_core.engine.dev_hooks import install_dev
 
-    try:
-        mode = Settings.read("dev_fp8_kernel")
-    except SettingsError as e:
-        log.warning("stitch: %s; no FP8 stand-in installed", e)
-        return None
-    if not mode:
-        return None
-    try:
-        from stitch_dev import fp8_kernel
-    except ImportError:  # the wheel alone
-        log.warning("stitch: STITCH_DEV_FP8_KERNEL=%s needs stitch_dev (the source tree) on the "
-                    "engine's path; it is not in the wheel: vLLM chooses its own FP8 kernels",
-                    mode)
-        return None
-    return fp8_kernel.install(mode)
+    return install_dev("dev_fp8_kernel", "fp8_kernel", "vLLM chooses its own FP8 kernels", log)

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from .ports import free_port
-from .procs import sglang_cmd, sglang_env, vllm_cmd, vllm_env
+from .procs import dev_plugin_path, sglang_cmd, sglang_env, vllm_cmd, vllm_env
 from .server import ServerProcess
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
@@ -163,6 +163,9 @@ def sglang_engine_env(tp: int = 1, plain: bool = False, **stitch: str) -> dict[s
         env["STITCH_SGLANG"] = "0"
     for k, v in stitch.items():
         env[f"STITCH_{k.upper()}"] = str(v)
+    if any(k.startswith("dev_") for k in stitch):  # the stand-ins live in stitch_dev (no wheel)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (dev_plugin_path(), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -287,12 +290,14 @@ def vllm_fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, li
             for d, rows in res.items()}
 
 
-def sglang_fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, list[dict]]:
-    """Outputs of a plain SGLang engine (no plugin) at each directory's weights: one start on the
-    first, each later one loaded by SGLang's own loader (`SglangServer.load_weights`), so a
-    comparison costs one engine start whatever the number of versions."""
+def sglang_fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1,
+                         **stitch: str) -> dict[str, list[dict]]:
+    """Outputs of a plain SGLang engine (no plugin; `stitch`: the STITCH_* settings it still
+    reads, e.g. ``dev_fp8_kernel``) at each directory's weights: one start on the first, each
+    later one loaded by SGLang's own loader (`SglangServer.load_weights`), so a comparison costs
+    one engine start whatever the number of versions."""
     res = {}
-    server = SglangServer(dirs[0], tmp / "fresh.log", tp=tp, plain=True)
+    server = SglangServer(dirs[0], tmp / "fresh.log", tp=tp, plain=True, **stitch)
     try:
         server.wait_healthy()
         for i, d in enumerate(dirs):

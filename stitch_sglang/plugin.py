@@ -13,7 +13,9 @@ failing plugin and carries on without it, so this function logs what it did at W
   STITCH_DEV_HOST_ALLOC is set (`install_dev_host_alloc`) and the dev stand-in for SGLang's CPU
   AMX weight kernels when STITCH_DEV_FP8_KERNEL is set (`install_dev_fp8_kernel`);
 * the schedulers: the post-load keeper of `stitch_sglang.cpu` (packed and FP8 layers keep their
-  loader-format tensors; what the kernels read is rebuilt after a patch and proven);
+  loader-format tensors; what the kernels read is rebuilt after a patch and proven), and an
+  AROUND hook on `SchedulerWeightUpdaterManager.begin_weight_update` that refuses SGLang's own
+  weight-update session on a follower (`stitch_sglang.worker.refuse_weight_session`);
 * the main process only (`multiprocessing.parent_process() is None`; registering there imports
   the HTTP server module): a BEFORE hook on `http_server._setup_and_run_http_server` adds
   `stitch_sglang.server.StitchMiddleware` to SGLang's app, and an AROUND hook on
@@ -35,6 +37,8 @@ log = logging.getLogger("stitch.sglang")
 SCHEDULER_HOOK = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
 HTTP_HOOK = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 WARMUP_HOOK = "sglang.srt.entrypoints.http_server._wait_and_warmup"
+SESSION_HOOK = ("sglang.srt.managers.scheduler_components.weight_updater."
+                "SchedulerWeightUpdaterManager.begin_weight_update")
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
@@ -61,7 +65,12 @@ def register() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         from .routed import routed_hooks
-        from .worker import StitchCallReqInput, StitchCallReqOutput, install_handler
+        from .worker import (
+            StitchCallReqInput,
+            StitchCallReqOutput,
+            install_handler,
+            refuse_weight_session,
+        )
     except Exception:
         log.exception("stitch: SGLang's plugin API is not available; the Stitch plugin is off")
         return
@@ -71,6 +80,8 @@ def register() -> None:
         from .cpu import install_post_load_keeper
 
         install_post_load_keeper()  # before the model loads: packed / FP8 layers keep masters
+        # a follower's weights change only through Stitch (worker.REFUSED)
+        HookRegistry.register(SESSION_HOOK, refuse_weight_session, HookType.AROUND)
         for target, hook, kind in routed_hooks():  # routed experts: first-forward rows kept
             HookRegistry.register(target, hook, getattr(HookType, kind))
     else:  # SGLang spawns its schedulers as children

@@ -25,8 +25,12 @@ import torch
 from sglang.srt.managers.io_struct import BaseReq
 
 log = logging.getLogger("stitch.sglang")
+REFUSED = ("this engine follows a Stitch run: its weights change only through Stitch patches that "
+           "every rank proves, so SGLang's online weight updates (update_weights_from_disk, "
+           "_tensor, _distributed, _ipc) are refused; publish a version to the run instead")
 
-__all__ = ["StitchCallReqInput", "StitchCallReqOutput", "install_handler", "rank_info"]
+__all__ = ["REFUSED", "StitchCallReqInput", "StitchCallReqOutput", "install_handler",
+           "rank_info", "refuse_weight_session"]
 
 
 class StitchCallReqInput(BaseReq, kw_only=True):
@@ -86,6 +90,9 @@ def _replica(scheduler: Any):
             info = {**info, "kernels": {"fp8": ", ".join(fp8)}}
         rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity),
                           on_dirty=lambda dirty: rebuild_dirty(model, dirty))
+        # SGLang refuses its online weight updates on a model that declares a reason (checked on
+        # every rank before any write): on a follower, weights change only through proven patches
+        model._derived_weight_cache_error = REFUSED
         scheduler._stitch_rep = rep
     return rep
 
@@ -129,3 +136,20 @@ def install_handler(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> A
     scheduler._request_dispatcher += TypeBasedDispatcher(
         [(StitchCallReqInput, lambda req: handle(scheduler, req))])
     return result
+
+
+def refuse_weight_session(original: Any, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on `SchedulerWeightUpdaterManager.begin_weight_update`: on a follower (its
+    model carries `REFUSED`, set on every rank when the follower starts) no weight-update session
+    opens, so SGLang's session-bound updates (from tensors, a process group, IPC) never run, nor
+    its ``end_weight_update`` post-load pass over layers already processed. Its
+    ``update_weights_from_disk`` needs no session: SGLang itself refuses it on the same attribute
+    (`_derived_weight_cache_error`). Elsewhere SGLang's own step runs."""
+    model = getattr(getattr(getattr(manager, "tp_worker", None), "model_runner", None), "model",
+                    None)
+    if getattr(model, "_derived_weight_cache_error", None) == REFUSED:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqOutput
+
+        log.warning("stitch: refused SGLang's begin_weight_update: this engine follows a run")
+        return BeginWeightUpdateReqOutput(success=False, message=REFUSED)
+    return original(manager, *args, **kwargs)

@@ -21,34 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import types
 import uuid
 
 import numpy as np
-import pytest
 import torch
 
 from stitch_core.serve import protocol
 from stitch_core.versions.board import LocalBoard
 from stitch_core.versions.materialize import pull
 from stitch_dev.engines import SglangServer
-from stitch_dev.procs import dev_plugin_path
 from stitch_sglang import routed
 
 PROMPT = [11, 42, 7, 99, 23, 5]  # token ids
 N = 120
 ROUTED = ["--enable-return-routed-experts"]
 P = len(PROMPT)
-
-
-@pytest.fixture(scope="module")
-def dev_path():
-    """stitch_dev importable in the engines (STITCH_DEV_HOST_ALLOC), the wheel's plugin kept."""
-    with pytest.MonkeyPatch.context() as mp:
-        old = os.environ.get("PYTHONPATH")
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (dev_plugin_path(), old) if p))
-        yield
 
 
 def _per_expert(tensors: dict) -> dict:
@@ -107,8 +95,7 @@ def _rows(body: dict, cfg: dict) -> np.ndarray:
                                           cfg["num_hidden_layers"], cfg["num_experts_per_tok"])
 
 
-def test_routing_rows_follow_the_version_spans_across_an_apply(engine, tmp_path, nats_server,
-                                                              dev_path):
+def test_routing_rows_follow_the_version_spans_across_an_apply(engine, tmp_path, nats_server):
     run = "sg-r3"
     trainer = _moe_run(tmp_path, nats_server.url, run)
     cfg = json.loads((tmp_path / "v0" / "config.json").read_text())

@@ -291,13 +291,15 @@ def vllm_fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1) -> dict[str, li
 
 
 def sglang_fresh_outputs(dirs: list[Path], tmp: Path, tp: int = 1,
+                         extra: list[str] | tuple[str, ...] = (),
                          **stitch: str) -> dict[str, list[dict]]:
-    """Outputs of a plain SGLang engine (no plugin; `stitch`: the STITCH_* settings it still
-    reads, e.g. ``dev_fp8_kernel``) at each directory's weights: one start on the first, each
-    later one loaded by SGLang's own loader (`SglangServer.load_weights`), so a comparison costs
-    one engine start whatever the number of versions."""
+    """Outputs of a plain SGLang engine (no plugin; `extra`: more server flags; `stitch`: the
+    STITCH_* settings it still reads, e.g. ``dev_fp8_kernel``) at each directory's weights: one
+    start on the first, each later one loaded by SGLang's own loader
+    (`SglangServer.load_weights`), so a comparison costs one engine start whatever the number of
+    versions."""
     res = {}
-    server = SglangServer(dirs[0], tmp / "fresh.log", tp=tp, plain=True, **stitch)
+    server = SglangServer(dirs[0], tmp / "fresh.log", tp=tp, plain=True, extra=extra, **stitch)
     try:
         server.wait_healthy()
         for i, d in enumerate(dirs):

@@ -65,13 +65,14 @@ class StitchWorkerExtension:
             from stitch_core.engine.replica import RankReplica
 
             model = self._stitch_model()
-            def on_dirty(dirty: set[str]) -> None:
+            def on_dirty(dirty: set[str]) -> list[str]:
                 t0 = time.perf_counter()
                 self._stitch_repacked = repack_dirty(model, dirty)
                 layers, blocks = requantized_blocks(model, self._stitch_repacked)
                 if layers:
                     log.info("stitch: re-quantized %d online-FP8 layers (%d blocks) in %.1f ms",
                              layers, blocks, (time.perf_counter() - t0) * 1e3)
+                return self._stitch_repacked
 
             info = self.stitch_rank_info()
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,

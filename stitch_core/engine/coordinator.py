@@ -341,8 +341,11 @@ class Coordinator(HeldState):
             if not check["ok"]:
                 raise EngineStateError(f"v{m.version}: commit failed and the weights could not "
                                        "be proven afterwards") from e
+        # derived copies (packed, re-quantized) rebuilt by the last batch: the slowest rank's
         return {"write_s": write_s, "pause_s": pause_s,
-                "write_rank_s": rank_s}
+                "write_rank_s": rank_s,
+                "derived_rebuilt": max((len(r.rebuilt) for r in replies), default=0),
+                "rebuild_rank_s": max((r.rebuild_s for r in replies), default=0.0)}
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:
         """Load a whole version through the engine's loader, then prove it."""

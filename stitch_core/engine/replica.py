@@ -306,6 +306,8 @@ class RankReplica:
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         dirty: set[str] = set()
         deltas: dict[str, int] = {}
+        rebuilt: list[str] = []
+        rebuild_s = 0.0
         try:
             for i, (name, vb) in enumerate(values.items()):
                 tm = layout.tensors[name]
@@ -344,7 +346,9 @@ class RankReplica:
             all_dirty = dirty | (self._dirty if earlier else set())
             if last and all_dirty:
                 mark = derived.generation()
-                self.on_dirty(all_dirty)
+                t_r = time.perf_counter()
+                rebuilt = list(self.on_dirty(all_dirty) or ())
+                rebuild_s = time.perf_counter() - t_r
                 # what the kernels read: every derived copy built from what was written must have
                 # been rebuilt (and stamped) since, from the bytes that are there now
                 flats = [flat for flat, _, _ in (self._undo if earlier else [])]
@@ -365,7 +369,8 @@ class RankReplica:
             self.last_write = [(flat, eng) for flat, eng, _ in undo]
         if self.failpoints.armed:  # tests: all written (undo record kept), then the call fails
             self.failpoints.hit("written")
-        return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0)
+        return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0, rebuilt,
+                              rebuild_s)
 
     def _restore(self, undo, dirty: set[str]) -> None:
         for flat, eng, old in reversed(undo):

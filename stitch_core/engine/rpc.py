@@ -114,11 +114,15 @@ class Write:
 @dataclass(frozen=True)
 class WriteReply:
     """Per tensor the fingerprint delta of what is in memory now over every copy the rank holds
-    (`delta`), the engine parameters written (`dirty`)."""
+    (`delta`), the engine parameters written (`dirty`), the modules whose derived copies (packed,
+    re-quantized) were rebuilt from them (`rebuilt`) and the seconds that took (`rebuild_s`,
+    part of `seconds`)."""
 
     delta: dict[str, int]
     dirty: list[str]
     seconds: float
+    rebuilt: list[str] = field(default_factory=list)
+    rebuild_s: float = 0.0
 
 
 @dataclass(frozen=True)

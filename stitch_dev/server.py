@@ -58,6 +58,19 @@ class ServerProcess:
             time.sleep(0.25)
         raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
 
+    def wait_applied(self, version: int, timeout: float = 400) -> dict:
+        """`wait_version`, then until ``last_apply`` is that version's: the status switches
+        `version` inside the apply's pause and fills `last_apply` once the ranks committed, a few
+        ms later (outside the pause)."""
+        deadline = time.monotonic() + timeout
+        st = self.wait_version(version, timeout)
+        while (st.get("last_apply") or {}).get("version") != version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"v{version} served but no apply of it recorded: {st}")
+            time.sleep(0.05)
+            st = self.status()
+        return st
+
     def wait_healthy(self, timeout: float = 400) -> float:
         """Poll /health until 200 (SGLang: its own warm-up request passed); the seconds it
         took."""

@@ -30,8 +30,7 @@ def follow_versions(trainer: AdamWTrainer, server: ServerProcess, n: int, reques
         v = trainer.publish()
         r = request(v)
         assert r.status_code == 200, r.text
-        last = server.status()["last_apply"]
-        assert last["version"] == v
+        last = server.wait_applied(v, timeout=60)["last_apply"]
         changed.append(last["changed"])
     assert all(changed), changed
     return changed

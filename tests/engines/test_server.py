@@ -44,7 +44,7 @@ def test_follows_ten_adamw_versions_bit_exact_with_fresh_engines(engine, followe
         engine.check_completion(r.json(), v)  # the engine's own field (SGLang's) agrees
         if v in engine.compare:
             seen[v] = server.outputs(v)
-    st = server.status()
+    st = server.wait_applied(10, timeout=60)
     assert st["version"] == 10 and st["state"] == "serving" and st["lag"] == 0
     assert st["fingerprint_check"]["ok"] is True and st["ranks"] == 1
     assert st["fallback_tensors"] == [] and st["engine"] == engine.name

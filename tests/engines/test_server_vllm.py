@@ -106,7 +106,7 @@ def test_an_engine_behind_catches_up_through_one_span(follower):
     r = server.complete(PROMPTS[0], {"X-Stitch-Version": str(target), "X-Stitch-Wait": "120"})
     assert r.status_code == 200, r.text
     assert r.headers["X-Stitch-Version-Start"] == str(target)
-    st = server.status()
+    st = server.wait_applied(target, timeout=60)
     assert st["version"] == target and st["state"] == "serving"
     assert st["patch_bytes_total"] - before == span.bytes  # the span alone, not the chain
     assert st["last_apply"]["changed"] == span.changed_elements

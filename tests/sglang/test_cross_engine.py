@@ -60,7 +60,7 @@ def test_vllm_and_sglang_follow_one_run_with_identical_fingerprints(tmp_path, na
                 assert r.json()["stitch"] == Stamp(RUN, v)
         manifest = asyncio.run(read_manifest(board, RUN, v))
         assert manifest.fingerprints == fpr.state_fingerprints(trainer.view())
-        statuses = [e.status() for e in engines]
+        statuses = [e.wait_applied(v, timeout=60) for e in engines]
         assert [s["engine"] for s in statuses] == ["vllm", "sglang"]
         for s in statuses:
             assert s["run"] == RUN and s["version"] == v and s["state"] == "serving", s

@@ -70,7 +70,7 @@ def test_fp8_engine_follows_in_place_bit_exact_with_packed_copies(tmp_path):
         server = Server(v0, tmp_path / "server.log", board=str(root / "board"), run=RUN,
                         cache_dir=str(tmp_path / "engine-cache"), reconcile_interval="1",
                         verify_cooldown="0", dev_fp8_kernel=KERNEL)
-        st = server.wait_version(2, timeout=600)
+        st = server.wait_applied(2, timeout=600)
         assert st["fingerprint_check"]["ok"] is True, st
         assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
         assert st["fp8_kernel"] == "stitch_dev:sgl-standin", st

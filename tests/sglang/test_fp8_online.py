@@ -61,7 +61,7 @@ def test_online_fp8_engine_follows_bf16_patches_bit_exact(tmp_path):
         assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
         before = server.outputs(0)
         assert trainer.publish() == 1 and trainer.publish() == 2
-        st = server.wait_version(2, timeout=300)
+        st = server.wait_applied(2, timeout=300)
         last = st["last_apply"]
         assert last["version"] == 2 and last["changed"] > 0, last
         # AdamW moved every tensor: every layer re-quantized, the lm_head re-packed

@@ -69,7 +69,7 @@ def test_fp8_engine_follows_in_place_bit_exact(published, tmp_path, monkeypatch)
         server = Server(v0, tmp_path / "server.log", dev_mode=True, board=str(root / "board"),
                         run=RUN, cache_dir=str(tmp_path / "engine-cache"),
                         reconcile_interval="1", verify_cooldown="0")
-        st = server.wait_version(2, timeout=600)
+        st = server.wait_applied(2, timeout=600)
         assert st["fingerprint_check"]["ok"] is True, st
         assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
         if KERNEL == "standin":

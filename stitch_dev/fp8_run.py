@@ -77,14 +77,16 @@ def next_version(masters: dict[str, torch.Tensor], step: int,
 
 
 def publish_fp8_run(root: Path, run: str, arch: str = "llama", vocab: int = 500,
-                    hidden: int = HIDDEN, scaled: list[tuple[str, int, int]] = SCALED) -> dict:
+                    hidden: int = HIDDEN, scaled: list[tuple[str, int, int]] = SCALED,
+                    kv_heads: int = 2, inter: int = INTER) -> dict:
     """v0..v2 of `run` published in the ``fp8-e4m3-block`` view on ``root/board`` and pulled to
     ``root/pulled-<v>``: {"root", "dirs", "views"} (the views as loaded from the pulled files),
     after checking the pulled config and that v2 changes the `scaled` blocks' scales. The model:
-    `fp8_model` (`arch`, `vocab`, `hidden`)."""
+    `fp8_model` (`arch`, `vocab`, `hidden`, `kv_heads`, `inter`)."""
     from stitch_trainer import Publisher
 
-    model_dir, masters = fp8_model(root, arch=arch, vocab=vocab, hidden=hidden)
+    model_dir, masters = fp8_model(root, kv_heads=kv_heads, inter=inter, arch=arch, vocab=vocab,
+                                   hidden=hidden)
     with Publisher(str(root / "board"), run, "fp8-e4m3-block", config_dir=model_dir) as pub:
         for step in (0, 1, 2):
             if step:

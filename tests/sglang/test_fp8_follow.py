@@ -100,3 +100,29 @@ def test_fp8_engine_follows_in_place_bit_exact_with_packed_copies(tmp_path):
     finally:
         if server is not None:
             server.stop()
+
+
+def test_fp8_engine_at_tp2_follows_on_every_rank(tmp_path):
+    """TP=2 (two scheduler processes, gloo): each rank holds its shard of the codes and of the
+    block scales (q/k/v and gate/up split by output rows, o and down by input columns; every
+    shard a whole number of 128-blocks: 4 query and 4 KV heads of 64, intermediate 512), packs
+    its own shard, and keeps it in step; v2 changes one scale block on each rank. The follower
+    equals a plain TP=2 engine on v2, bit for bit."""
+    pub = publish_fp8_run(tmp_path / "run", RUN + "-tp2", arch="qwen2", vocab=512, hidden=256,
+                          scaled=SCALED, kv_heads=4, inter=512)
+    root, (v0, _, d2) = pub["root"], pub["dirs"]
+    want = fresh_outputs([d2], tmp_path, tp=2, dev_fp8_kernel=KERNEL)[str(d2)]
+    server = None
+    try:
+        server = Server(v0, tmp_path / "server.log", tp=2, board=str(root / "board"),
+                        run=RUN + "-tp2", cache_dir=str(tmp_path / "engine-cache"),
+                        reconcile_interval="1", verify_cooldown="0", dev_fp8_kernel=KERNEL)
+        st = server.wait_applied(2, timeout=900)
+        assert st["ranks"] == 2 and st["fingerprint_check"]["ok"] is True, st
+        assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
+        assert st["last_apply"]["derived_rebuilt"] > 0, st["last_apply"]
+        assert server.outputs(2) == want
+        verify_clean(server)
+    finally:
+        if server is not None:
+            server.stop()

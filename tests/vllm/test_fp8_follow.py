@@ -149,3 +149,35 @@ def test_a_packed_fp8_kernel_is_rebuilt_from_the_patched_codes_and_scales(publis
         assert got == want and got != before
     finally:
         fp8_kernel.uninstall()
+
+
+TP2_SCALED = [("model.layers.0.self_attn.q_proj.weight", 0, 0),  # rank 0's rows of q
+              ("model.layers.1.self_attn.o_proj.weight", 1, 1)]  # rank 1's input columns of o
+
+
+def test_fp8_engine_at_tp2_follows_on_every_rank(tmp_path, monkeypatch):
+    """TP=2: every rank holds its shard of the codes *and* of the block scales (q/k/v and gate/up
+    split by output rows, o and down by input columns; vLLM needs each shard a whole number of
+    128-blocks: hidden 256, 4 query and 4 KV heads of 64, intermediate 512). Each rank learns
+    through vLLM's FP8 loaders which codes and which scale blocks it holds, the two patches
+    (codes; codes and one scale block on each rank) are written on both, and the follower
+    equals a fresh TP=2 engine on v2, bit for bit."""
+    monkeypatch.setenv("STITCH_DEV_FP8_KERNEL", KERNEL)
+    pub = publish_fp8_run(tmp_path / "run", "vl-fp8-tp2", hidden=256, kv_heads=4, inter=512,
+                          scaled=TP2_SCALED)
+    root, (v0, _, d2) = pub["root"], pub["dirs"]
+    want = fresh_outputs([d2], tmp_path, tp=2)[str(d2)]  # first: the cores are free
+    server = None
+    try:
+        server = Server(v0, tmp_path / "server.log", tp=2, board=str(root / "board"),
+                        run="vl-fp8-tp2", cache_dir=str(tmp_path / "engine-cache"),
+                        reconcile_interval="1", verify_cooldown="0")
+        st = server.wait_applied(2, timeout=900)
+        assert st["ranks"] == 2 and st["fingerprint_check"]["ok"] is True, st
+        assert st["fallback_tensors"] == [] and st["derived_params"] == [], st
+        assert st["last_apply"]["changed"] > 0
+        assert server.outputs(2) == want
+        verify_clean(server)
+    finally:
+        if server is not None:
+            server.stop()

@@ -23,15 +23,18 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from .ports import free_port
 from .procs import dev_plugin_path, sglang_cmd, sglang_env, vllm_cmd, vllm_env
 from .server import ServerProcess
+
+T = TypeVar("T")
 
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
 MAX_TOKENS = 12
@@ -75,29 +78,46 @@ class EngineServer(ServerProcess):
     def across_an_apply(self, send: Callable[[], httpx.Response], publish: Callable[[], int],
                         attempts: int = 3, timeout: float = 120) -> tuple[httpx.Response, int]:
         """`send()` (one request, on a thread) with the next version (`publish()`) applied while
-        the engine generates it: once the engine counts the request's first output, its steps
-        are held, and under the hold the request is seen unfinished before the version is
-        published. A request that finished before the hold (the race of one /metrics read and
-        one pause call against hundreds of steps) is sent again, at most `attempts` times.
-        Returns the answer and the version applied."""
+        the engine generates it (`all_across_an_apply` with one request). Returns the answer
+        and the version applied."""
+        out, v = self.all_across_an_apply({"r": send}, publish, attempts, timeout)
+        return out["r"], v
+
+    def all_across_an_apply(self, sends: Mapping[str, Callable[[], T]],
+                            publish: Callable[[], int], attempts: int = 5,
+                            timeout: float = 120) -> tuple[dict[str, T], int]:
+        """Each of `sends` (one request each, on threads) with the next version (`publish()`)
+        applied while the engine generates them all: once the engine counts every request's
+        first output, its steps are held, and under the hold the requests are seen unfinished
+        before the version is published. When one finished before the hold (the race of one
+        /metrics read and one pause call against hundreds of steps on a busy host), or before
+        every other one started, all are sent again, at most `attempts` times. Returns the
+        answers by key and the version applied."""
         for _ in range(attempts):
             first, done = self.metric(self.FIRST_OUTPUTS), self.metric(self.FINISHED)
             out: dict = {}
-            t = threading.Thread(target=lambda o=out: o.update(r=send()), daemon=True)
-            t.start()
+            threads = [threading.Thread(target=lambda k=k, f=f, o=out: o.update({k: f()}),
+                                        daemon=True) for k, f in sends.items()]
+            for t in threads:
+                t.start()
             deadline = time.monotonic() + timeout
-            while self.metric(self.FIRST_OUTPUTS) <= first:
-                assert t.is_alive() and time.monotonic() < deadline, "the request never started"
+            v = None
+            # all generating (one may finish before another's first output on a busy host)
+            while all(t.is_alive() for t in threads) and \
+                    self.metric(self.FIRST_OUTPUTS) < first + len(sends):
+                assert time.monotonic() < deadline, "the requests never started"
                 time.sleep(0.01)
-            with self.hold_steps():
-                running = self.metric(self.FINISHED) == done
-                v = publish() if running else None
-                if v is not None:
-                    self.wait_version(v, timeout=timeout)
-            t.join(300)
+            if all(t.is_alive() for t in threads):
+                with self.hold_steps():
+                    if self.metric(self.FINISHED) == done:  # none finished before the hold
+                        v = publish()
+                        self.wait_version(v, timeout=timeout)
+            for t in threads:
+                t.join(300)
+            assert len(out) == len(sends), f"no answer for {set(sends) - set(out)}"
             if v is not None:
-                return out["r"], v
-        raise AssertionError(f"the request finished before the hold {attempts} times")
+                return out, v
+        raise AssertionError(f"a request finished before the hold {attempts} times")
 
     @contextmanager
     def hold_steps(self) -> Iterator[None]:

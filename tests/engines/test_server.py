@@ -130,22 +130,19 @@ def test_protocol_pinned_min_wait_and_409(follower):
     assert f'stitch_nats_connected{{run="{run}"}} 1.0' in metrics
 
 
-def _stream(server, path, body, headers, out: dict, key: str, started: threading.Event):
+def _stream(server, path: str, body: dict, headers: dict) -> tuple[int, dict, list[str]]:
+    """One SSE request read to its end: (status, headers, the `data:` payloads)."""
     with httpx.Client(base_url=server.url, timeout=300, headers=server.http.headers) as c, \
             c.stream("POST", path, json=body, headers=headers) as resp:
-        events = []
-        for ln in resp.iter_lines():
-            if ln.startswith("data: "):
-                events.append(ln[6:])
-                started.set()
-        out[key] = (resp.status_code, dict(resp.headers), events)
+        events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+        return resp.status_code, dict(resp.headers), events
 
 
 def test_requests_running_across_an_apply(engine, follower):
     """Immediate mode: an unpinned request reports start != end (and where the engine keeps its
     own per-token version spans, SGLang, they show where the change happened); an exact pin is
-    cut off. The apply lands mid-generation by construction: the test holds the engine's steps
-    from the streams' first tokens until the apply."""
+    cut off. The apply lands mid-generation by construction: the engine's steps are held from
+    both streams' first tokens until the apply (sent again if one ended before the hold)."""
     server, trainer = follower["server"], follower["trainer"]
     v = server.status()["version"]
     n = 1200  # tokens at v, then at v + 1: the apply lands while the steps are held
@@ -154,21 +151,19 @@ def test_requests_running_across_an_apply(engine, follower):
               "temperature": 0, "ignore_eos": True, "stream": True}
     runs = {"free": (*engine.long_stream(server, n), {}),
             "pinned": ("/v1/completions", pinned, {"X-Stitch-Version": str(v)})}
-    out: dict = {}
-    events = {k: threading.Event() for k in runs}
-    threads = [threading.Thread(target=_stream, args=(server, p, b, h, out, k, events[k]))
-               for k, (p, b, h) in runs.items()]
-    for t in threads:
-        t.start()
-    assert all(e.wait(120) for e in events.values())  # both generating at v
-    # the engine's steps held from here until the apply: neither stream can end before it (the
-    # plugin's own pause and resume around the apply let them go on, at v + 1)
-    with server.hold_steps():
-        assert not out, f"a stream ended before the hold: {list(out)}"
-        assert trainer.publish(train=False) == v + 1
-        server.wait_version(v + 1, timeout=120)
-    for t in threads:
-        t.join(300)
+    published: list[int] = []
+
+    def publish() -> int:
+        published.append(trainer.publish(train=False))
+        return published[-1]
+
+    try:
+        out, v1 = server.all_across_an_apply(
+            {k: (lambda r=r: _stream(server, *r)) for k, r in runs.items()}, publish)
+    finally:  # the trainer never stays ahead of the board (the later tests forge on top of it)
+        if not published:
+            server.wait_version(publish(), timeout=120)
+    assert v1 == v + 1
     code, headers, ev = out["free"]
     assert code == 200 and ev[-1] == "[DONE]"
     stitch = json.loads(ev[-2])["stitch"]

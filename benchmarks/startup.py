@@ -57,7 +57,7 @@ def _setups(worker, shapes, cache_dir: str) -> list[dict]:
     out = []
     for _ in range(2):
         cache = LayoutCache(cache_dir, {"engine": "vllm", **code_identity(model)})
-        rep = RankReplica(model, layout_cache=cache)
+        rep = RankReplica(model, layout_cache=cache, not_state=("kv_cache",))  # as the plugin
         t = time.perf_counter()
         r = rep.setup(shapes)
         out.append({"cached": r.cached, "layout_s": r.learn_s, "sums_s": r.sums_s,

@@ -75,8 +75,11 @@ class StitchWorkerExtension:
                 return self._stitch_repacked
 
             info = self.stitch_rank_info()
+            # vLLM binds each attention layer's KV cache to it as `kv_cache`: as large as the
+            # memory given to it, and no loader writes it (not copied while the layout is learned)
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,
-                              layout_cache=from_settings(self._stitch_identity(model, info)))
+                              layout_cache=from_settings(self._stitch_identity(model, info)),
+                              not_state=("kv_cache",))
             self._stitch_rep = rep
         return rep
 

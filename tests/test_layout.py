@@ -178,6 +178,64 @@ def test_a_loader_that_derives_state_from_the_values_is_refused(how):
     assert L.learn_layout(Engine(), {n: (s, torch.bfloat16) for n, s in SHAPES.items()})
 
 
+@pytest.mark.parametrize("how", ["untouched", "rebind", "in_place"])
+def test_large_state_is_kept_as_a_digest(monkeypatch, how):
+    """CPU state over COPY_LIMIT is kept as a digest, not a copy: left alone it is not named,
+    rebound it is put back and named, written in place it is named as not restored."""
+    monkeypatch.setattr(L, "COPY_LIMIT", 64)  # bytes: the V x H cache below is over it
+
+    class Caching(Engine):
+        def __init__(self):
+            super().__init__()
+            self.big = torch.full((V, H), 3.0)
+
+        def load_weights(self, weights):
+            weights = list(weights)
+            super().load_weights(weights)
+            if how == "rebind":
+                self.big = torch.zeros(V, H)
+            elif how == "in_place":
+                self.big[0, 0] = 7.0
+            return None
+
+    eng = Caching().to(torch.bfloat16)
+    big = eng.big
+    state = L.TensorState(eng)
+    assert isinstance(state.kept["big"][-1], bytes)  # a digest, no copy
+    shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
+    if how == "untouched":
+        assert L.learn_layout(eng, shapes)
+        return
+    match = (r"big \(written in place, not restored\); 1 not put back: reload the engine"
+             if how == "in_place" else r"changed 1 buffers.*\(big; put back\)")
+    with pytest.raises(RuntimeError, match=match):
+        L.learn_layout(eng, shapes)
+    assert eng.big is big  # rebinding is always put back
+    assert float(big[0, 0]) == (7.0 if how == "in_place" else 3.0)
+
+
+def test_not_state_is_not_kept():
+    """An attribute the engine adapter names as not model state (vLLM's per-layer kv_cache) is
+    not copied, and a write to it is not taken for derived state."""
+    class WithCache(Engine):
+        def __init__(self):
+            super().__init__()
+            self.kv_cache = torch.zeros(4, V, H)
+
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            self.kv_cache.fill_(1.0)  # (no loader does this: here only to show it is not kept)
+            return None
+
+    eng = WithCache()
+    assert "kv_cache" in L.TensorState(eng).kept
+    assert "kv_cache" not in L.TensorState(eng, not_state=("kv_cache",)).kept
+    shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        L.learn_layout(WithCache(), shapes)
+    assert L.learn_layout(WithCache(), shapes, not_state=("kv_cache",))
+
+
 def test_params_no_loader_writes_are_reported_as_derived():
     class Absorbed(Engine):
         def __init__(self):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from stitch_core._jit import numba
+from stitch_core.engine.derived import digest
 from stitch_core.engine.layout_scan import IndexPool, scan_runs
 
 __all__ = [
@@ -263,41 +264,61 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.view(torch.uint8), b.view(torch.uint8))
 
 
-class TensorState:
-    """Every buffer and plain tensor attribute of a model, kept (a CPU copy) so that what a loader
-    changes while it loads index tensors can be named and put back."""
+# CPU state larger than this is kept as a digest (XXH3-128 of its bytes), not a copy: an
+# engine's KV cache or packed weights can be as large as the model
+COPY_LIMIT = 64 << 20
+NOT_RESTORED = " (written in place, not restored)"
 
-    def __init__(self, model: torch.nn.Module):
-        self.kept: dict[str, tuple[torch.nn.Module, str, bool, torch.Tensor, int, torch.Tensor]]
-        self.kept = {}
+
+class TensorState:
+    """Every buffer and plain tensor attribute of a model, kept so that what a loader changes
+    while it loads index tensors can be named and put back: a CPU copy, or, for CPU tensors over
+    `COPY_LIMIT` bytes, a digest (such a tensor written in place is named, not put back).
+    Attributes named in `not_state` (runtime state an engine adapter knows no loader writes,
+    e.g. vLLM's per-layer ``kv_cache``) are not kept at all."""
+
+    def __init__(self, model: torch.nn.Module, not_state: Collection[str] = ()):
+        self.kept: dict[str, tuple[torch.nn.Module, str, bool, torch.Tensor, int,
+                                   torch.Tensor | bytes]] = {}
         for mod_name, mod in model.named_modules():
             items = [(k, v, True) for k, v in mod._buffers.items()]
             items += [(k, v, False) for k, v in vars(mod).items()
                       if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
             for attr, t, buffer in items:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and \
+                        attr not in not_state:
                     key = f"{mod_name}.{attr}" if mod_name else attr
-                    self.kept[key] = (mod, attr, buffer, t, t._version,
-                                      t.detach().to("cpu", copy=True))
+                    big = t.device.type == "cpu" and t.numel() * t.element_size() > COPY_LIMIT
+                    kept = digest([t]) if big else t.detach().to("cpu", copy=True)
+                    self.kept[key] = (mod, attr, buffer, t, t._version, kept)
 
     def restore(self) -> list[str]:
-        """Put back what changed (rebound or written in place); return their names."""
+        """Put back what changed (rebound or written in place); return their names (a kept
+        digest's tensor written in place: named with `NOT_RESTORED`)."""
         changed = []
-        for key, (mod, attr, buffer, t, version, copy) in self.kept.items():
+        for key, (mod, attr, buffer, t, version, kept) in self.kept.items():
             now = mod._buffers.get(attr) if buffer else vars(mod).get(attr)
             # a bumped version counter with the same bits: a view of a parameter the loader
             # wrote through (the writes went to the shadow), not a change
-            if now is t and (t._version == version or _same_bits(t, copy)):
+            if now is t and (t._version == version or _same_as_kept(t, kept)):
                 continue
-            changed.append(key)
             if buffer:
                 mod._buffers[attr] = t
             else:
                 setattr(mod, attr, t)
-            if t._version != version:
+            if t._version == version or _same_as_kept(t, kept):
+                changed.append(key)  # rebound only: put back
+            elif isinstance(kept, bytes):
+                changed.append(key + NOT_RESTORED)
+            else:
+                changed.append(key)
                 with torch.no_grad():
-                    t.copy_(copy)
+                    t.copy_(kept)
         return sorted(changed)
+
+
+def _same_as_kept(t: torch.Tensor, kept: torch.Tensor | bytes) -> bool:
+    return digest([t]) == kept if isinstance(kept, bytes) else _same_bits(t, kept)
 
 
 def _group_key(name: str) -> str:
@@ -315,6 +336,7 @@ def learn_layout(
     group_by_layer: bool = True,
     shadow_device: str | torch.device = "cpu",
     rank_info: dict[str, Any] | None = None,
+    not_state: Collection[str] = (),
 ) -> Layout:
     """Learn the HF -> engine map by loading index tensors with the model's own loaders.
 
@@ -322,7 +344,9 @@ def learn_layout(
     swapped out during the call and restored afterwards.  Groups (one per
     decoder layer plus "rest") bound the integer shadow memory to one layer at a
     time; a loader that writes outside its group raises (the engine should then
-    be reloaded, its weights are no longer trusted).
+    be reloaded, its weights are no longer trusted). `not_state`: attribute names the engine
+    adapter knows no loader writes (its KV cache), left out of the check on the model's other
+    tensors (`TensorState`).
     """
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for n, v in hf_shapes.items():
@@ -331,7 +355,7 @@ def learn_layout(
         else:
             shapes[n] = (tuple(v), torch.bfloat16)
 
-    state = TensorState(model)
+    state = TensorState(model, not_state)
     try:
         with MastersInstalled(model):
             params = engine_params(model)
@@ -425,11 +449,13 @@ def learn_layout(
     if touched:
         # a loader derived state from the values it loaded (e.g. a post-load step run inside
         # load_weights): a patch could not keep that state in step with the weights
+        lost = [t for t in touched if t.endswith(NOT_RESTORED)]
         raise RuntimeError(
             f"layout learning: the model's loaders changed {len(touched)} buffers or tensor "
             f"attributes that are not parameters ({', '.join(touched[:5])}"
-            f"{' ...' if len(touched) > 5 else ''}; put back): state derived from the weights "
-            "cannot be followed by patches")
+            f"{' ...' if len(touched) > 5 else ''}; "
+            f"{'put back' if not lost else f'{len(lost)} not put back: reload the engine'}): "
+            "state derived from the weights cannot be followed by patches")
 
     return Layout(
         tensors=tensors,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -125,15 +125,18 @@ class RankReplica:
 
     masters: context manager putting canonical weights back while the model's loader runs
     (engines that repack weights after loading). on_dirty: called with the engine parameter
-    names whose bits changed (e.g. to re-pack them).
+    names whose bits changed (e.g. to re-pack them). not_state: attribute names of runtime state
+    no loader writes (an engine's per-layer KV cache), left out of layout learning's check.
     """
 
     def __init__(self, model: torch.nn.Module, *,
                  masters: Callable[[torch.nn.Module], Any] = MastersInstalled,
                  on_dirty: Callable[[set[str]], Any] | None = None,
                  rank_info: dict[str, Any] | None = None,
-                 layout_cache: LayoutCache | None = None):
+                 layout_cache: LayoutCache | None = None,
+                 not_state: Collection[str] = ()):
         self.model = model
+        self.not_state = tuple(not_state)  # attributes no loader writes (learn_layout)
         self.layout_cache = layout_cache
         self.masters = masters
         self.on_dirty = on_dirty or (lambda dirty: None)
@@ -162,7 +165,8 @@ class RankReplica:
         layout = cache.load(key) if cache is not None and key and use_cache else None
         cached = layout is not None
         if layout is None:
-            layout = learn_layout(self.model, hf, rank_info=self.rank_info)
+            layout = learn_layout(self.model, hf, rank_info=self.rank_info,
+                                  not_state=self.not_state)
             if cache is not None and key:
                 cache.save(key, layout)
         layout.rank_info = dict(self.rank_info)

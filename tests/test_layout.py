@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stitch_core.engine import layout as L
+from stitch_core.engine import model_state as MS
 
 H, V, VPAD = 6, 10, 12  # hidden, vocab, padded vocab rows
 
@@ -182,7 +183,7 @@ def test_a_loader_that_derives_state_from_the_values_is_refused(how):
 def test_large_state_is_kept_as_a_digest(monkeypatch, how):
     """CPU state over COPY_LIMIT is kept as a digest, not a copy: left alone it is not named,
     rebound it is put back and named, written in place it is named as not restored."""
-    monkeypatch.setattr(L, "COPY_LIMIT", 64)  # bytes: the V x H cache below is over it
+    monkeypatch.setattr(MS, "COPY_LIMIT", 64)  # bytes: the V x H cache below is over it
 
     class Caching(Engine):
         def __init__(self):
@@ -200,7 +201,7 @@ def test_large_state_is_kept_as_a_digest(monkeypatch, how):
 
     eng = Caching().to(torch.bfloat16)
     big = eng.big
-    state = L.TensorState(eng)
+    state = MS.TensorState(eng)
     assert isinstance(state.kept["big"][-1], bytes)  # a digest, no copy
     shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
     if how == "untouched":
@@ -228,8 +229,8 @@ def test_not_state_is_not_kept():
             return None
 
     eng = WithCache()
-    assert "kv_cache" in L.TensorState(eng).kept
-    assert "kv_cache" not in L.TensorState(eng, not_state=("kv_cache",)).kept
+    assert "kv_cache" in MS.TensorState(eng).kept
+    assert "kv_cache" not in MS.TensorState(eng, not_state=("kv_cache",)).kept
     shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
     with pytest.raises(RuntimeError, match="kv_cache"):
         L.learn_layout(WithCache(), shapes)

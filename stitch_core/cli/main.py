@@ -99,6 +99,13 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     gateway.add_parsers(sub)
 
 
+def _add_warm(sub: argparse._SubParsersAction) -> None:
+    w = sub.add_parser("warm", help="compile Stitch's kernels into numba's on-disk cache (run "
+                       "once per image or persistent NUMBA_CACHE_DIR, before a first start)")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(fn=_lazy("warm", "cmd_warm"))
+
+
 # the core's verbs by group, in the full parser's order (then the plugin verbs); a group's adder
 # adds exactly these verbs (tests/test_cli_lazy.py checks it)
 GROUPS: tuple[tuple[tuple[str, ...], Callable[[argparse._SubParsersAction], None]], ...] = (
@@ -107,6 +114,7 @@ GROUPS: tuple[tuple[tuple[str, ...], Callable[[argparse._SubParsersAction], None
     (("keys",), _add_keys),
     (("plan", "squash"), _add_squash),
     (("gateway",), _add_gateway),
+    (("warm",), _add_warm),
 )
 
 

@@ -280,18 +280,13 @@ def check_replica(c: Checks, dev: torch.device, views: list[dict[str, torch.Tens
                  and _params_equal(ce, _engines(want, torch.device("cpu"))))
 
 
-def _rpc(replicas):
-    async def call(req):
-        req = rpc_.decode(rpc_.encode(req))  # pickled both ways, as through an engine's RPC
-        return [rpc_.decode(rpc_.encode(r.handle(req))) for r in replicas]
-    return call
 
 
 async def check_follower(c: Checks, dev: torch.device, work: Path, views) -> None:
     board = LocalBoard(work / "board")
     await pull(board, RUN, 0, work / "v0", work / "cache", quiet=True)
     engines = _engines(views[0], dev)
-    coord = Coordinator(_rpc([RankReplica(e, rank_info={"rank": i})
+    coord = Coordinator(rpc_.in_process([RankReplica(e, rank_info={"rank": i})
                               for i, e in enumerate(engines)]), run=RUN, loader_fallback=True)
     c.record("follower", "coordinator start proves v0 on the device ranks",
              await coord.start(work / "v0") == 0)

@@ -97,17 +97,12 @@ def test_a_damaged_cache_file_is_ignored_and_removed(tmp_path, damage, caplog):
     assert path.exists()  # removed, then written again by the fresh learning
 
 
-def _rpc(replicas):
-    async def rpc(req):
-        req = rpc_.decode(rpc_.encode(req))
-        return [rpc_.decode(rpc_.encode(r.handle(req))) for r in replicas]
-    return rpc
 
 
 async def _start(model_dir, w, cache):
     replicas = [RankReplica(_engine(r, w), rank_info={"rank": r}, layout_cache=cache[r])
                 for r in (0, 1)]
-    coord = Coordinator(_rpc(replicas), run=None)
+    coord = Coordinator(rpc_.in_process(replicas), run=None)
     await coord.start(model_dir)
     return coord, replicas
 

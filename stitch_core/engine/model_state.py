@@ -62,13 +62,14 @@ class TensorState:
             now = mod._buffers.get(attr) if buffer else vars(mod).get(attr)
             # a bumped version counter with the same bits: a view of a parameter the loader
             # wrote through (the writes went to the shadow), not a change
-            if now is t and (t._version == version or _same_as_kept(t, kept)):
+            same = t._version == version or _same_as_kept(t, kept)
+            if now is t and same:
                 continue
             if buffer:
                 mod._buffers[attr] = t
             else:
                 setattr(mod, attr, t)
-            if t._version == version or _same_as_kept(t, kept):
+            if same:
                 changed.append(key)  # rebound only: put back
             elif isinstance(kept, bytes):
                 changed.append(key + NOT_RESTORED)

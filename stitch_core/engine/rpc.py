@@ -13,6 +13,7 @@ Positions and held indices are int32 when the tensor has fewer than 2**31 elemen
 from __future__ import annotations
 
 import pickle
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,8 @@ import numpy as np
 
 __all__ = ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "Held", "GatherReply", "Write",
            "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Arm",
-           "ArmReply", "Failed", "Request", "Reply", "index_dtype", "encode", "decode"]
+           "ArmReply", "Failed", "Request", "Reply", "index_dtype", "encode", "decode",
+           "in_process"]
 
 
 def index_dtype(bound: int) -> type[np.signedinteger]:
@@ -215,3 +217,13 @@ def encode(msg: Request | Reply) -> bytes:
 def decode(blob: bytes) -> Any:
     """The message `encode` turned into `blob`."""
     return pickle.loads(blob)
+
+
+def in_process(replicas: Sequence[Any]) -> Callable[[Any], Awaitable[list[Any]]]:
+    """A coordinator's RPC to ranks in this process (each with `handle(request)`, e.g.
+    `RankReplica`), every message encoded and decoded both ways as an engine's transport does,
+    so arrays arrive as they do there (`stitch warm`, tests, the dev harness)."""
+    async def call(req: Any) -> list[Any]:
+        req = decode(encode(req))
+        return [decode(encode(r.handle(req))) for r in replicas]
+    return call

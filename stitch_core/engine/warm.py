@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from stitch_core.engine import rpc
@@ -152,15 +151,6 @@ class _Toy(torch.nn.Module):
         return None
 
 
-def _rpc(replicas: list[RankReplica]):
-    """The ranks' RPC in this process, encoded both ways as through an engine's RPC (so arrays
-    arrive as they do there)."""
-    async def call(req):
-        req = rpc.decode(rpc.encode(req))
-        return [rpc.decode(rpc.encode(r.handle(req))) for r in replicas]
-    return call
-
-
 def _manifest(version: int, state: dict[str, torch.Tensor], objects: list) -> Manifest:
     fps = fpr.state_fingerprints(state)
     tensors = [TensorInfo(name=k, dtype=dtypes.info(t.dtype).name, shape=list(t.shape),
@@ -186,7 +176,7 @@ async def _follower_path(work: Path, g: torch.Generator) -> None:
     save_file(v0, str(work / "v0" / "model.safetensors"))
     weights = object_ref(work / "v0" / "model.safetensors", "weights")
     (work / "v0" / PULLED_MANIFEST).write_text(_manifest(0, v0, [weights]).model_dump_json())
-    coord = Coordinator(_rpc([RankReplica(_Toy(v0))]), run=RUN)
+    coord = Coordinator(rpc.in_process([RankReplica(_Toy(v0))]), run=RUN)
     if await coord.start(work / "v0") != 0:
         raise RuntimeError("warm: the toy engine did not prove v0")
     v1 = {k: _changed(t, 0.05, g, 0.004) for k, t in v0.items()}
@@ -213,4 +203,4 @@ def warm(seed: int = 0) -> WarmReport:
     first = next(iter(ks.values()))
     return WarmReport(kernels=len(ks), compiled=m1 - m0, loaded=h1 - h0,
                       seconds=time.perf_counter() - t0,
-                      cache_dir=str(first.stats.cache_path or np.nan))
+                      cache_dir=str(first.stats.cache_path))

@@ -11,9 +11,10 @@ points, a CLI round trip), and in each engine venv.
     python3 scripts/dev.py demo --engine sglang   # the engine part with SGLang (.venv-sglang)
     python3 scripts/dev.py demo --no-engine   # without the engine part (no engine venv)
     python3 scripts/dev.py test     # set up + run lint, the wheel check and the whole test
-                                    # suite (main, then the vLLM suite in .venv-vllm, then SGLang
-                                    # in .venv-sglang; STITCH_TEST_PARALLEL=1: the two engine
-                                    # suites side by side; STITCH_TEST_WORKERS: the main
+                                    # suite (main, then the vLLM suite in .venv-vllm and the
+                                    # SGLang suite in .venv-sglang side by side;
+                                    # STITCH_TEST_PARALLEL=0: one after the other;
+                                    # STITCH_TEST_WORKERS: the main
                                     # suite's pytest-xdist workers, default one per core)
     python3 scripts/dev.py gpu-check [--device cpu] [--json] [--out FILE]   # core on a GPU
     python3 scripts/dev.py gpu-bundle DIR   # the wheels + check for a GPU machine without
@@ -391,12 +392,15 @@ DURATIONS = ("--durations=15", "--durations-min=5")  # where a suite's time goes
 
 
 def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
-    """The vLLM suite, then the SGLang suite: each runs its wheel check, then the engine
-    scenarios of tests/engines for its engine (STITCH_ENGINE), then its own directory.
-    STITCH_TEST_PARALLEL=1 runs the two side by side, each line prefixed with its suite; on two
-    cores that was slower, not faster (an idle SGLang scheduler polls a whole core while its
-    session follower waits for its last test), so it is not the default."""
-    parallel = os.environ.get("STITCH_TEST_PARALLEL") == "1"
+    """The vLLM suite and the SGLang suite side by side, each as soon as its venv is built and
+    each line prefixed with its suite: each runs its wheel check, then the engine scenarios of
+    tests/engines for its engine (STITCH_ENGINE), then its own directory. One suite alone keeps
+    about 60% of two cores busy (its engines start one process after another, each importing
+    torch and the engine); side by side they keep 96% busy and the two took 19.7 min where one
+    after the other took 14.9 + 11.3 (measured, README). STITCH_TEST_PARALLEL=0 runs them one
+    after the other (a host with one core, or to read one suite's output alone). Side by side
+    was slower before SGLang's servers slept on idle (an idle scheduler polled a whole core)."""
+    parallel = os.environ.get("STITCH_TEST_PARALLEL", "1") != "0"
     verbose = ["-v"] if parallel else ["-q"]
 
     def basetemp(tag: str) -> str:  # a pytest tmp root each: neither cleans up the other's
@@ -449,8 +453,8 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint and the main suite in the foreground while the engine venvs and the wheel check's
     clean venv build in the background (niced; mostly downloads and unpacking); then the vLLM
-    and the SGLang suites (engine_suites), each as soon as its venv is built; the wheel check's
-    result is awaited last. A table of the phases' wall times ends the output,
+    and the SGLang suites side by side (engine_suites), each as soon as its venv is built; the
+    wheel check's result is awaited last. A table of the phases' wall times ends the output,
     also when a phase failed; each suite prints its slowest tests."""
     bg = Background(phases, ROOT / ".venv-builds.log",
                     [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang),

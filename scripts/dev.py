@@ -394,12 +394,10 @@ DURATIONS = ("--durations=15", "--durations-min=5")  # where a suite's time goes
 def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
     """The vLLM suite and the SGLang suite side by side, each as soon as its venv is built and
     each line prefixed with its suite: each runs its wheel check, then the engine scenarios of
-    tests/engines for its engine (STITCH_ENGINE), then its own directory. One suite alone keeps
-    about 60% of two cores busy (its engines start one process after another, each importing
-    torch and the engine); side by side they keep 96% busy and the two took 19.7 min where one
-    after the other took 14.9 + 11.3 (measured, README). STITCH_TEST_PARALLEL=0 runs them one
-    after the other (a host with one core, or to read one suite's output alone). Side by side
-    was slower before SGLang's servers slept on idle (an idle scheduler polled a whole core)."""
+    tests/engines for its engine (STITCH_ENGINE), then its own directory. One suite alone leaves
+    much of two cores idle (its engines start one process after another, each importing torch
+    and the engine); side by side is faster (figures in the README). STITCH_TEST_PARALLEL=0
+    runs them one after the other (a host with one core, or to read one suite's output alone)."""
     parallel = os.environ.get("STITCH_TEST_PARALLEL", "1") != "0"
     verbose = ["-v"] if parallel else ["-q"]
 

@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -58,16 +57,6 @@ def _cache_file(r: NginxRelay, key: str) -> Path:
     raise AssertionError(f"{key} is not in the relay's cache")
 
 
-def _logged(r: NginxRelay, done) -> dict[str, int]:
-    """The relay's upstream fetches once `done(fetches)` holds, or as they are after 10 s.
-    nginx writes a request's access-log line after it has sent the response, so the client
-    that just read an answer can be ahead of the log."""
-    deadline = time.monotonic() + 10
-    while not done(got := r.upstream_fetches()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return got
-
-
 def _flip_last_byte(p: Path) -> None:
     data = bytearray(p.read_bytes())
     data[-1] ^= 0x01  # the body is the end of nginx's cache file
@@ -110,7 +99,8 @@ def test_corrupt_relay_copy_region_pulls_and_relay_is_refreshed(origin, relay, t
         assert origin.gets[("GET", f"/{k}")] == 2, origin.gets  # the fill, then the refresh
         status, h, body = get(f"{relay.url}/{k}")
         assert h["X-Stitch-Relay-Cache"] == "HIT" and body == (origin.root / k).read_bytes()
-    assert _logged(relay, lambda f: f.get("BYPASS") == len(bad)).get("BYPASS") == len(bad)
+    fetches = relay.upstream_fetches(until=lambda f: f.get("BYPASS") == len(bad))
+    assert fetches.get("BYPASS") == len(bad)
 
 
 def test_refused_refresh_falls_back_to_the_origin(origin, relay, tmp_path):
@@ -152,7 +142,7 @@ def test_no_header_defeats_the_cache_beyond_one_refresh_per_object(origin, relay
     assert get(relay.url + other, {"X-Stitch-Refresh": "yes"})[0] == 200
     assert origin.gets[("GET", other)] == 1
     want = {"MISS": 1, "HIT": 10, "BYPASS": 2, "-": 19}
-    assert _logged(relay, lambda f: f == want) == want
+    assert relay.upstream_fetches(until=lambda f: f == want) == want
     token = "0123456789abcdef0123456789abcdef"
     with NginxRelay(origin.url, free_port(), tmp_path / "tok", refresh_token=token) as r2:
         assert get(r2.url + k)[0] == 200 and origin.gets[("GET", k)] == 3

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stitch_core.errors import StitchError
@@ -142,15 +143,23 @@ class NginxRelay:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def upstream_fetches(self) -> dict[str, int]:
-        """Requests this relay sent upstream, by cache status, from its access log (MISS: the
-        object fetched for the cache; BYPASS/None: passed through, e.g. `latest`)."""
-        out: dict[str, int] = {}
-        with contextlib.suppress(OSError):
-            for line in self.access_log.read_text().splitlines():
-                st = next((p[6:] for p in line.split() if p.startswith("cache=")), "-")
-                out[st] = out.get(st, 0) + 1
-        return out
+    def upstream_fetches(self, until: Callable[[dict[str, int]], bool] | None = None,
+                         timeout: float = 10.0) -> dict[str, int]:
+        """Requests this relay answered, by cache status, from its access log (MISS: the
+        object fetched for the cache; BYPASS/None: passed through, e.g. `latest`; HIT: served
+        from the cache). nginx writes a request's line after it has sent the response, so a
+        client that has just read its answer can be ahead of the log: with `until`, the log is
+        read again (up to `timeout` s) until `until(counts)` holds, and returned as it is then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out: dict[str, int] = {}
+            with contextlib.suppress(OSError):
+                for line in self.access_log.read_text().splitlines():
+                    st = next((p[6:] for p in line.split() if p.startswith("cache=")), "-")
+                    out[st] = out.get(st, 0) + 1
+            if until is None or until(out) or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.05)
 
 
 def _accepts(host: str, port: int) -> bool:

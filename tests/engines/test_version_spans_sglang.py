@@ -26,11 +26,25 @@ from stitch_dev.engines import SglangServer
 LONG = 300
 
 
-def _apply_mid_generation(server, trainer) -> int:
-    with server.hold_steps():
-        v = trainer.publish()
-        server.wait_version(v, timeout=120)
-    return v
+def _stream_across_an_apply(server, trainer, path: str, body: dict,
+                            attempts: int = 3) -> tuple[list, int]:
+    """A streamed request with the next version applied while it generates: once its first
+    event is in, SGLang's steps are held and, if the request is seen unfinished under the hold,
+    the version is published. When it finished first (a busy host: one pause call against
+    hundreds of steps), it is sent again, at most `attempts` times. (events, version)."""
+    for _ in range(attempts):
+        done = server.metric(server.FINISHED)
+        s = _Events(server, path, body)
+        s.wait_events(1)
+        v = None
+        with server.hold_steps():
+            if server.metric(server.FINISHED) == done:
+                v = trainer.publish()
+                server.wait_version(v, timeout=120)
+        events = s.done()
+        if v is not None:
+            return events, v
+    raise AssertionError(f"the stream finished before the hold in {attempts} attempts")
 
 
 class _Events:
@@ -77,12 +91,9 @@ def test_native_stream_spans_are_sglangs_own(follower):
     covering every token, equal to SGLang's own weight_versions of the same answer."""
     server, trainer = follower["server"], follower["trainer"]
     v0 = server.status()["version"]
-    s = _Events(server, "/generate", {
+    events, v1 = _stream_across_an_apply(server, trainer, "/generate", {
         "text": "Once upon a time", "stream": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}})
-    s.wait_events(1)
-    v1 = _apply_mid_generation(server, trainer)
-    events = s.done()
     info = protocol.parse_stitch(events[-1])
     assert info is not None and info.version_spans is not None, events[-1]
     meta = events[-2]["meta_info"]

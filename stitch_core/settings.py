@@ -178,6 +178,11 @@ class Settings(BaseModel):
         "engine restarts on the same model and code (never trusted: the start-up proof checks "
         "it, and a map that does not prove is learned again) "
         "([engines.md](engines.md#start-up-and-restarts-the-layout-cache))"))
+    layout_templates: bool = Field(True, description=(
+        "learn one decoder layer of each kind through the loaders and give its twins (same "
+        "tensors, shapes, module classes and loaders) its map under their names; never trusted "
+        "either: a map that does not prove at start-up is learned again through every loader "
+        "([engines.md](engines.md#start-up-and-restarts-the-layout-cache))"))
     loader_fallback: bool = Field(False, description=(
         "tensors the layout map cannot place: update them through the engine's loader, "
         "unverified; params no loader writes (computed after loading): leave them as loaded "

@@ -76,6 +76,7 @@ def _replica(scheduler: Any):
     if rep is None:
         from stitch_core.engine.layout_cache import code_identity, from_settings
         from stitch_core.engine.replica import RankReplica
+        from stitch_core.settings import Settings
 
         model = scheduler.tp_worker.model_runner.model
         info = rank_info()
@@ -89,7 +90,8 @@ def _replica(scheduler: Any):
         if fp8:  # which kernels serve the quantized layers (shown in /stitch/status)
             info = {**info, "kernels": {"fp8": ", ".join(fp8)}}
         rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity),
-                          on_dirty=lambda dirty: rebuild_dirty(model, dirty))
+                          on_dirty=lambda dirty: rebuild_dirty(model, dirty),
+                          layout_templates=Settings.read("layout_templates"))
         # SGLang refuses its online weight updates on a model that declares a reason (checked on
         # every rank before any write): on a follower, weights change only through proven patches
         model._derived_weight_cache_error = REFUSED

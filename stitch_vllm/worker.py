@@ -26,6 +26,7 @@ import torch
 
 from stitch_core.engine.layout import engine_params, read_safetensors_shapes
 from stitch_core.engine.layout_cache import code_identity, from_settings
+from stitch_core.settings import Settings
 
 from .cpu import repack_dirty
 from .fp8 import kernel_names
@@ -79,7 +80,8 @@ class StitchWorkerExtension:
             # memory given to it, and no loader writes it (not copied while the layout is learned)
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,
                               layout_cache=from_settings(self._stitch_identity(model, info)),
-                              not_state=("kv_cache",))
+                              not_state=("kv_cache",),
+                              layout_templates=Settings.read("layout_templates"))
             self._stitch_rep = rep
         return rep
 

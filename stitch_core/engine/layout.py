@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from stitch_core._jit import numba
+from stitch_core.engine import layout_template
 from stitch_core.engine.layout_scan import IndexPool, scan_runs
 from stitch_core.engine.model_state import NOT_RESTORED, TensorState
 
@@ -179,6 +180,8 @@ class Layout:
     param_const: dict[str, int]
     param_unwritten: dict[str, int]
     rank_info: dict[str, Any] = field(default_factory=dict)
+    # layer groups whose map was taken from a learned twin layer (`layout_template`), not loaded
+    templated: int = 0
 
     def derived(self) -> list[str]:
         """Engine params no loader writes a single element of: computed from other weights after
@@ -273,6 +276,7 @@ def learn_layout(
     shadow_device: str | torch.device = "cpu",
     rank_info: dict[str, Any] | None = None,
     not_state: Collection[str] = (),
+    templates: bool = True,
 ) -> Layout:
     """Learn the HF -> engine map by loading index tensors with the model's own loaders.
 
@@ -306,10 +310,20 @@ def learn_layout(
             tensors = {n: TensorMap(n, s, d) for n, (s, d) in shapes.items()}
             const: dict[str, int] = {}
             unwritten: dict[str, int] = {n: int(p.numel()) for n, p in params.items()}
+            owners = layout_template.param_owners(model) if templates else {}
+            learned: dict[tuple, tuple[list[str], list[str]]] = {}  # signature -> its group
+            n_templated = 0
 
             for g in groups:
                 g_hf = [n for n in shapes if key(n) == g]
                 g_params = {n: p for n, p in params.items() if key(n) == g}
+                sig = (layout_template.signature({n: shapes[n] for n in g_hf}, g_params, owners)
+                       if templates and g.startswith("layer") else None)
+                if sig is not None and sig in learned:
+                    layout_template.derive(tensors, const, unwritten, *learned[sig], g_hf,
+                                           list(g_params))
+                    n_templated += 1
+                    continue
                 bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
                 bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
                 for i, n in enumerate(g_hf):
@@ -379,6 +393,8 @@ def learn_layout(
                             _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
                     del flat
                 shadows.clear()
+                if sig is not None:
+                    learned[sig] = (g_hf, list(g_params))
 
     finally:  # also when a loader raised: the engine keeps its own state
         touched = state.restore()
@@ -400,6 +416,7 @@ def learn_layout(
         param_const=const,
         param_unwritten=unwritten,
         rank_info=dict(rank_info or {}),
+        templated=n_templated,
     )
 
 

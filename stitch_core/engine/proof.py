@@ -101,6 +101,7 @@ class HeldState:
         self.kernels: dict[str, str] = {}  # kernels of quantized layers, by format (the ranks')
         self.ranks = 0
         self.layout_cached = False  # every rank's layout came from its layout cache
+        self.layout_templated = 0  # layer groups that took a learned twin's map, over all ranks
         self.check: dict[str, Any] = {"ok": None}
         # one proof or apply at a time (held by verify, and by the coordinator's apply and load)
         self.lock = asyncio.Lock()
@@ -166,16 +167,20 @@ class HeldState:
                                                          self.load_timeout)
         self.ranks = len(replies)
         placed, fallback, self.unheld = self._classify(replies, want)
-        if any(r.cached for r in replies) and (
+        if any(r.cached or r.templated for r in replies) and (
                 fallback or _stale(replies) or any(r.derived or r.unmanaged for r in replies)):
-            # a cached layout is never trusted: learn it again through the loaders, prove again
-            log.warning("stitch: the cached layout did not prove the weights (%d tensors); "
-                        "learning it again through the loaders", len(fallback))
+            # a cached or templated layout is never trusted: learn it again through every
+            # loader, prove again
+            log.warning("stitch: the %s layout did not prove the weights (%d tensors); "
+                        "learning it again through every loader",
+                        "cached" if any(r.cached for r in replies) else "templated",
+                        len(fallback))
             replies = await self.call_ranks(rpc.Setup(self.shapes, use_cache=False),
                                             self.load_timeout)
             self.mult.clear()
             placed, fallback, self.unheld = self._classify(replies, want)
         self.layout_cached = all(r.cached for r in replies)
+        self.layout_templated = sum(r.templated for r in replies)
         self.derived = sorted({p for r in replies for p in r.derived}
                               | {a for r in replies for a in r.unmanaged})
         self.derived_copies = _merge_counts(r.derived_copies for r in replies)
@@ -221,7 +226,8 @@ class HeldState:
                       "fallback": len(fallback), "seconds": time.perf_counter() - t0,
                       # start-up: the slowest rank's layout (learned or read from its cache)
                       "layout_s": max(r.learn_s for r in replies),
-                      "layout_cached": self.layout_cached}
+                      "layout_cached": self.layout_cached,
+                      "layout_templated": self.layout_templated}
         if m is not None:
             self.served.set(m.version)
         log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "

@@ -134,10 +134,12 @@ class RankReplica:
                  on_dirty: Callable[[set[str]], Any] | None = None,
                  rank_info: dict[str, Any] | None = None,
                  layout_cache: LayoutCache | None = None,
-                 not_state: Collection[str] = ()):
+                 not_state: Collection[str] = (),
+                 layout_templates: bool = True):
         self.model = model
         self.not_state = tuple(not_state)  # attributes no loader writes (learn_layout)
         self.layout_cache = layout_cache
+        self.layout_templates = layout_templates  # twin layers take a learned layer's map
         self.masters = masters
         self.on_dirty = on_dirty or (lambda dirty: None)
         self.rank_info = dict(rank_info or {})
@@ -157,7 +159,8 @@ class RankReplica:
     def setup(self, shapes: Mapping[str, tuple[tuple[int, ...], str]],
               use_cache: bool = True) -> rpc.SetupReply:
         """Learn the layout (engine idle; from the layout cache when one is given, it holds this
-        key and `use_cache`) and return full per-copy sums and mapped counts."""
+        key and `use_cache`) and return full per-copy sums and mapped counts. `use_cache=False`
+        learns every group through the loaders: no cache, no layer templates."""
         hf = {n: (tuple(s), dtypes.info(d).torch_dtype) for n, (s, d) in shapes.items()}
         t0 = time.perf_counter()
         cache = self.layout_cache
@@ -166,7 +169,8 @@ class RankReplica:
         cached = layout is not None
         if layout is None:
             layout = learn_layout(self.model, hf, rank_info=self.rank_info,
-                                  not_state=self.not_state)
+                                  not_state=self.not_state,
+                                  templates=use_cache and self.layout_templates)
             if cache is not None and key:
                 cache.save(key, layout)
         layout.rank_info = dict(self.rank_info)
@@ -183,7 +187,8 @@ class RankReplica:
             derived=self.layout.derived(),
             # kernels' private copies of weights: kept in step (by kind), stale, not kept
             derived_copies=derived.kinds(self.model), stale_derived=derived.stale(self.model),
-            unmanaged=derived.unmanaged(self.model), cached=cached)
+            unmanaged=derived.unmanaged(self.model), cached=cached,
+            templated=0 if cached else layout.templated)
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)

@@ -36,7 +36,8 @@ class Setup:
     """Learn the layout of these served-view tensors ({name: (shape, dtype name)}) and prove it."""
 
     shapes: dict[str, tuple[tuple[int, ...], str]]
-    use_cache: bool = True  # False: learn through the loaders even if a cached layout exists
+    # False: learn every group through the loaders (no cached layout, no layer templates)
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class SetupReply:
     (`const`) or never wrote (`unwritten`), parameters no loader writes (`derived`), kernels'
     copies of weights kept in step by kind (`derived_copies`), stale ones (`stale_derived`) and
     closures over state no adapter registered (`unmanaged`); whether the layout came from the
-    rank's layout cache (`cached`)."""
+    rank's layout cache (`cached`), and how many layer groups took a learned twin's map
+    (`templated`)."""
 
     rank: dict[str, Any]
     sums: dict[str, int]
@@ -60,6 +62,7 @@ class SetupReply:
     stale_derived: list[str] = field(default_factory=list)
     unmanaged: list[str] = field(default_factory=list)
     cached: bool = False  # the layout came from the rank's layout cache, not from the loaders
+    templated: int = 0  # layer groups whose map was a learned twin's (`layout_template`)
 
 
 @dataclass(frozen=True)

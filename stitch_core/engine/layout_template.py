@@ -6,7 +6,7 @@ rest. The layers of a model are usually instances of one module class with the s
 the same loaders and the same checkpoint tensors, and then their maps are the same run arrays
 under other names. Learning one such layer and renaming its map for its twins costs nothing,
 where loading every layer costs about as much as the engine's own weight loading (at Qwen2.5-0.5B
-shapes, 57% of the elements are in the layers; at 7B, over 90%): `benchmarks/startup.py`.
+shapes, 57% of the elements are in the layers; at Qwen2.5-7B, 86%): `benchmarks/startup.py`.
 
 A layer is a twin of a learned one when everything a loader's placement can depend on, bar the
 layer number, is equal (the `signature`): the checkpoint tensors' names, shapes and dtypes; the

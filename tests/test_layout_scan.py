@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from stitch_core.engine import layout_scan
 from stitch_core.engine.layout_scan import IndexPool, scan_runs
 
 
@@ -98,3 +99,24 @@ def test_pool_reuses_and_grows():
     assert c.data_ptr() != a.data_ptr()  # another purpose: its own buffer
     d = pool.take("shadow", 200, torch.int32)
     assert d.numel() == 200 and pool.take("shadow", 10, torch.int64).dtype == torch.int64
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_shadows_scanned_on_threads_match_one_by_one(monkeypatch, threads):
+    """`scan_shadows` gives every shadow of a group its own `scan_runs` result, in the group's
+    order, whether the large ones are scanned on threads or not (here every shadow is large)."""
+    monkeypatch.setattr(layout_scan, "PARALLEL_MIN_ELEMENTS", 8)
+    rng = np.random.default_rng(7)
+    bases = np.array([1, 4001, 9001, 9501], dtype=np.int64)
+    shadows = {}
+    for name, n, off in (("embed", 4500, 0), ("norm", 7, 3998), ("lm_head", 5200, 300),
+                         ("bias", 3000, -50)):  # runs that cross tensors, constants, foreign
+        flat = np.where(rng.random(n) < 0.05, -1, np.arange(n) % 9600 + off).astype(np.int32)
+        shadows[name] = torch.from_numpy(flat).view(-1, 1)
+    got = layout_scan.scan_shadows(shadows, bases, threads=threads)
+    assert list(got) == list(shadows)
+    for name, sh in shadows.items():
+        want = scan_runs(sh.view(-1).numpy(), bases)
+        assert [np.asarray(x).tolist() for x in got[name]] == [np.asarray(x).tolist()
+                                                             for x in want]
+        assert got[name][3].size > 1  # several runs: a result worth comparing

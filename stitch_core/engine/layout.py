@@ -43,7 +43,7 @@ import torch
 
 from stitch_core._jit import numba
 from stitch_core.engine import layout_template
-from stitch_core.engine.layout_scan import IndexPool, scan_runs
+from stitch_core.engine.layout_scan import IndexPool, scan_shadows
 from stitch_core.engine.model_state import NOT_RESTORED, TensorState
 
 __all__ = [
@@ -378,10 +378,8 @@ def learn_layout(
                             f"{sorted(outside)[:5]}: their engine data now holds index values; "
                             "reload the engine weights")
 
-                for pn, sh in shadows.items():
-                    flat = sh.view(-1).cpu().numpy()
-                    n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = \
-                        scan_runs(flat, bases)
+                for pn, scanned in scan_shadows(shadows, bases).items():
+                    n_const, n_unwritten, n_foreign, tid, hf_start, eng_start, length = scanned
                     if n_foreign:
                         raise RuntimeError(
                             f"layout learning: {n_foreign} elements of {pn} hold values no index "
@@ -391,7 +389,6 @@ def learn_layout(
                         sel = tid == t
                         tensors[g_hf[t]].segments.extend(
                             _segments(pn, hf_start[sel], eng_start[sel], length[sel]))
-                    del flat
                 shadows.clear()
                 if sig is not None:
                     learned[sig] = (g_hf, list(g_params))

@@ -1,7 +1,8 @@
 """The integer shadows of layout learning: their memory, and the scan that reads them as runs.
 
-One job, about 110 lines: `layout.learn_layout` swaps every engine parameter of a group for an
-integer shadow, has the model's loaders fill it with index values, and scans it into runs. The
+One job, about 125 lines: `layout.learn_layout` swaps every engine parameter of a group for an
+integer shadow, has the model's loaders fill it with index values, and scans it into runs (the
+large shadows of a group on several threads at once: `scan_shadows`). The
 shadows and index tensors of every group come from one `IndexPool` (allocated once, for the
 largest group: fresh allocations cost a page fault per 4 KiB, which was most of learning's time
 at 0.6B), and `scan_runs` reads a shadow in one pass that checks long runs eight elements at a
@@ -9,6 +10,8 @@ time (benchmarks/startup.py).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -92,3 +95,28 @@ def scan_runs(flat, bases):  # pragma: no cover - compiled
         i += k
     return (n_const, n_unwritten, n_foreign, tid[:r].copy(), hf_start[:r].copy(),
             eng_start[:r].copy(), length[:r].copy())
+
+
+# a shadow this large is worth a thread of its own (below, the thread costs more than it saves)
+PARALLEL_MIN_ELEMENTS = 1 << 22
+
+
+def scan_shadows(shadows: dict[str, torch.Tensor], bases: np.ndarray,
+                 threads: int | None = None) -> dict[str, tuple]:
+    """`scan_runs` of every shadow of a group, {name: its result}. Shadows of at least
+    PARALLEL_MIN_ELEMENTS are scanned on up to `threads` threads at once (default: torch's
+    intra-op threads; `scan_runs` releases the GIL): at a first start the embedding and an untied
+    lm_head are two such shadows of one group."""
+    flats = {n: sh.view(-1).cpu().numpy() for n, sh in shadows.items()}
+    big = [n for n, f in flats.items() if f.shape[0] >= PARALLEL_MIN_ELEMENTS]
+    threads = max(1, min(threads or torch.get_num_threads(), len(big), 8))
+    out: dict[str, tuple] = {}
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="stitch-scan") as ex:
+            for n, res in zip(big, ex.map(lambda n: scan_runs(flats[n], bases), big), strict=True):
+                out[n] = res
+    for n, f in flats.items():
+        if n not in out:
+            out[n] = scan_runs(f, bases)
+    return {n: out[n] for n in flats}
+

@@ -39,7 +39,10 @@ from stitch_core.format.rans import (
     tables,
 )
 
-SCALE_BITS = 14
+# the encoder's table scale (the format allows 1..MAX_SCALE_BITS per stream): 2^12 rather than
+# 2^14 makes each context's decode lookup 4 KiB, not 16, for <= 0.02% larger patches
+# (benchmarks/results/codec_scale_bits.md)
+SCALE_BITS = 12
 LANES = 4  # what `encode` writes for streams of at least LANE_MIN_VALUES values
 LANE_MIN_VALUES = 256
 MAX_SCALE_BITS = 15

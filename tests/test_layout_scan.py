@@ -65,12 +65,14 @@ def test_scan_matches_the_reference_on_mixed_shadows(dtype, seed):
     check(flat, bases)
 
 
-def test_long_runs_and_breaks_at_every_offset_of_the_eight_wide_check():
+def test_long_runs_and_breaks_at_every_offset_of_the_block_check():
     bases = np.array([1, 1001, 3001], dtype=np.int64)
-    for brk in range(1, 20):
+    for brk in range(1, 3 * layout_scan.RUN_BLOCK + 2):
         flat = np.arange(1, 200, dtype=np.int32)
         flat[brk] += 7  # breaks the run at offset brk
         check(flat, bases)
+        for tail in (brk + 1, brk + layout_scan.RUN_BLOCK - 1):  # runs that end near the break
+            check(flat[:tail], bases)
     # a run that reaches a tensor's end continues as a new run in the next tensor
     check(np.arange(990, 1020, dtype=np.int32), bases)
     check(np.arange(1, 3001, dtype=np.int32), bases)  # every element, two runs

@@ -17,7 +17,8 @@ copy is built from, how to rebuild it). This module then
   runs 0.9 GB/s; a stamp never leaves the process and guards against a forgotten rebuild, not an
   adversary, so a non-cryptographic hash suffices; BLAKE2b-128 where `xxhash` is not installed).
   A copy whose sources no longer hash to its stamp was not
-  rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``). Inside
+  rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``; many
+  copies hash on the engine's torch threads: `xxhash` releases the GIL). Inside
   an apply's write (the engine pause) the rank asks `not_rebuilt` instead: every copy built from
   what the write changed must have been stamped after the write began (each stamp takes a new
   generation number). That stamp hashed the bytes as they were then and nothing writes between

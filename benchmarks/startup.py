@@ -13,7 +13,8 @@ start (the layout, then the full per-tensor sums the start-up proof compares wit
 
 The sums are the proof and are paid at every start (they read every weight once). Models: random
 weights of Qwen2 shapes (``stitch_dev.tinymodel``): ``50x`` (23M), ``realistic`` (83M, Llama,
-tied), ``q05b`` (Qwen2.5-0.5B's shapes, 0.63B with an untied lm_head; ~4 GB of RAM).
+tied), ``q05b`` (Qwen2.5-0.5B's shapes, 0.63B with an untied lm_head; ~4 GB of RAM), ``q15b``
+(Qwen2.5-1.5B's shapes, 1.54B, tied; ~10 GB of RAM, not in the default sizes).
 
     .venv-vllm/bin/python benchmarks/startup.py [--sizes realistic,q05b] [--md FILE]
 """
@@ -45,6 +46,9 @@ SIZES = {
     "q05b": {"arch": "qwen2", "hidden_size": 896, "num_layers": 24, "num_heads": 14,
              "num_kv_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
              "max_position_embeddings": 256},
+    "q15b": {"arch": "qwen2", "hidden_size": 1536, "num_layers": 28, "num_heads": 12,
+             "num_kv_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
+             "max_position_embeddings": 256, "tie_word_embeddings": True},
 }
 
 
@@ -61,7 +65,8 @@ def _setups(worker, shapes, cache_dir: str) -> list[dict]:
         t = time.perf_counter()
         r = rep.setup(shapes)
         out.append({"cached": r.cached, "layout_s": r.learn_s, "sums_s": r.sums_s,
-                    "total_s": time.perf_counter() - t})
+                    "total_s": time.perf_counter() - t,
+                    "templated": getattr(r, "templated", 0)})
     return out
 
 
@@ -108,8 +113,8 @@ def render(rows: list[dict]) -> str:
              "engine, TP=1, bf16. Shared 2-core box: compare within a row.", "",
              "| model | params | engine start s | first start: layout s + sums s | first start, "
              "whole s | / engine | restart: layout (cached) s + sums s | restart, whole s | "
-             "/ engine | layout: cached / learned |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "/ engine | layout: cached / learned | layers templated |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         f, a, e = r["first"], r["restart"], r["engine_s"]
         assert a["cached"] and not f["cached"], r
@@ -118,7 +123,7 @@ def render(rows: list[dict]) -> str:
             f"{f['sums_s']:.2f} | {f['total_s']:.2f} | {f['total_s'] / e:.2f}x | "
             f"{a['layout_s']:.3f} + {a['sums_s']:.2f} | {a['total_s']:.2f} | "
             f"{a['total_s'] / e:.3f}x | "
-            f"{a['layout_s'] / f['layout_s']:.3f} |")
+            f"{a['layout_s'] / f['layout_s']:.3f} | {f.get('templated', 0)} |")
     return "\n".join(lines) + "\n"
 
 

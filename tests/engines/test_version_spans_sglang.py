@@ -38,7 +38,7 @@ def _stream_across_an_apply(server, trainer, path: str, body: dict,
         s.wait_events(1)
         v = None
         with server.hold_steps():
-            if server.metric(server.FINISHED) == done:
+            if server.unfinished_under_hold(done):
                 v = trainer.publish()
                 server.wait_version(v, timeout=120)
         events = s.done()

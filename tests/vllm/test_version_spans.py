@@ -112,12 +112,37 @@ def long_body(model: str, **kw) -> dict:
             "stream": True, **kw}
 
 
-def apply_mid_generation(server: Server, trainer: AdamWTrainer) -> int:
-    """Publish the next version while the engine's steps are held; return it once applied."""
+def apply_mid_generation(server: Server, trainer: AdamWTrainer, done: float | None = None
+                         ) -> int | None:
+    """Publish the next version while the engine's steps are held; return it once applied. With
+    `done` (the server's finished count before the request was sent): only when the request is
+    seen unfinished under the hold, else None (nothing published)."""
     with server.hold_steps():
+        if done is not None and not server.unfinished_under_hold(done):
+            return None
         v = trainer.publish()
         server.wait_version(v, timeout=120)
     return v
+
+
+def stream_across_two_applies(server: Server, trainer: AdamWTrainer, attempts: int = 3
+                              ) -> tuple[Stream, int, int, int]:
+    """A long stream with two versions applied while it generates, each while the stream is
+    seen unfinished under the hold. When it finished first (a busy host), it is sent again, at
+    most `attempts` times. (stream, version before, first applied, second applied)."""
+    for _ in range(attempts):
+        v0 = server.status()["version"]
+        done = server.metric(server.FINISHED)
+        s = Stream(server, long_body(server.model))
+        s.wait_tokens(1)
+        v1 = apply_mid_generation(server, trainer, done)
+        if v1 is not None and len(s.tokens) < N:
+            s.wait_tokens(len(s.tokens) + 1)  # generating again, on v1
+            v2 = apply_mid_generation(server, trainer, done)
+            if v2 is not None:
+                return s, v0, v1, v2
+        s.result()
+    raise AssertionError(f"the stream finished before a hold in {attempts} attempts")
 
 
 FRESH = textwrap.dedent("""
@@ -161,12 +186,7 @@ def test_spans_mark_the_engine_steps_where_each_apply_took_effect(stack):
     given another logprob by the previous version (the apply recomputes the running requests' KV
     on the new weights: STITCH_KV_AFTER_APPLY=recompute, the default)."""
     server, trainer, root = stack["server"], stack["trainer"], stack["root"]
-    v0 = server.status()["version"]
-    s = Stream(server, long_body(server.model))
-    s.wait_tokens(1)
-    v1 = apply_mid_generation(server, trainer)
-    s.wait_tokens(len(s.tokens) + 1)  # generating again, on v1
-    v2 = apply_mid_generation(server, trainer)
+    s, v0, v1, v2 = stream_across_two_applies(server, trainer)
     info = s.result()
     assert len(s.tokens) == N and len(s.logprobs) == N
     spans = info.version_spans

@@ -205,26 +205,21 @@ def test_not_rebuilt_names_touched_copies_stamped_before_the_mark():
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_stamps_and_checks_on_threads_name_exactly_the_stale_copies(threads):
-    """`stale` and `rebuild_from` hash the copies on the engine's torch threads: the result is
-    the same copies as one by one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        stack = nn.ModuleList(nn.Linear(D, D, bias=False) for _ in range(12))
-        for mod in stack:
-            _pack(mod, mod.weight)
-            derived.register(mod, "toy", {"weight": mod.weight},
-                             lambda mod=mod: _pack(mod, mod.weight))
-        assert derived.stale(stack) == []
-        with torch.no_grad():
-            for i in (2, 7, 11):
-                stack[i].weight[0, 0] += 1  # written, not rebuilt
-        assert derived.stale(stack) == ["11 (toy)", "2 (toy)", "7 (toy)"]
-        assert derived.stale(stack, [stack[7].weight]) == ["7 (toy)"]
-        mark = derived.generation()
-        assert derived.rebuild_from(stack, [stack[i].weight for i in (2, 7, 11)]) == \
-            ["11", "2", "7"]
-        assert derived.stale(stack) == []
-        assert derived.not_rebuilt(stack, [stack[i].weight for i in (2, 7, 11)], mark) == []
-    finally:
-        torch.set_num_threads(before)
+    """`stale` and `rebuild_from` hash the copies on `threads` threads: the result is the same
+    copies as one by one."""
+    stack = nn.ModuleList(nn.Linear(D, D, bias=False) for _ in range(12))
+    for mod in stack:
+        _pack(mod, mod.weight)
+        derived.register(mod, "toy", {"weight": mod.weight},
+                         lambda mod=mod: _pack(mod, mod.weight))
+    assert derived.stale(stack) == []
+    with torch.no_grad():
+        for i in (2, 7, 11):
+            stack[i].weight[0, 0] += 1  # written, not rebuilt
+    assert derived.stale(stack, threads=threads) == ["11 (toy)", "2 (toy)", "7 (toy)"]
+    assert derived.stale(stack, [stack[7].weight], threads=threads) == ["7 (toy)"]
+    mark = derived.generation()
+    assert derived.rebuild_from(stack, [stack[i].weight for i in (2, 7, 11)],
+                                threads=threads) == ["11", "2", "7"]
+    assert derived.stale(stack, threads=threads) == []
+    assert derived.not_rebuilt(stack, [stack[i].weight for i in (2, 7, 11)], mark) == []

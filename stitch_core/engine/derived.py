@@ -17,8 +17,8 @@ copy is built from, how to rebuild it). This module then
   runs 0.9 GB/s; a stamp never leaves the process and guards against a forgotten rebuild, not an
   adversary, so a non-cryptographic hash suffices; BLAKE2b-128 where `xxhash` is not installed).
   A copy whose sources no longer hash to its stamp was not
-  rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``; many
-  copies hash on the engine's torch threads: `xxhash` releases the GIL). Inside
+  rebuilt after they changed. Every copy is checked so on a full check (``/stitch/verify``; at
+  start-up on the engine's threads: `xxhash` releases the GIL). Inside
   an apply's write (the engine pause) the rank asks `not_rebuilt` instead: every copy built from
   what the write changed must have been stamped after the write began (each stamp takes a new
   generation number). That stamp hashed the bytes as they were then and nothing writes between
@@ -126,34 +126,38 @@ def _touches(dc: DerivedCopy, storages: set[tuple[str, int]]) -> bool:
     return bool(_storages(dc.sources.values()) & storages)
 
 
-def _each(fn: Callable[[DerivedCopy], object], dcs: list[DerivedCopy]) -> list:
-    """fn over every copy, on the engine's torch threads (up to 8): hashing is most of what a
-    stamp or a check costs, and xxhash releases the GIL (1.7x on two cores for 1 GB of bf16)."""
-    threads = min(torch.get_num_threads(), len(dcs), 8)
+def _each(fn: Callable[[DerivedCopy], object], dcs: list[DerivedCopy], threads: int) -> list:
+    """fn over every copy, on up to `threads` threads: hashing is most of what a stamp or a
+    check costs, and xxhash releases the GIL (1.7x on two cores for 1 GB of bf16)."""
+    threads = min(threads, len(dcs))
     if threads <= 1:
         return [fn(dc) for dc in dcs]
     with ThreadPoolExecutor(threads, thread_name_prefix="stitch-stamp") as ex:
         return list(ex.map(fn, dcs))
 
 
-def rebuild_from(model: torch.nn.Module, written: Iterable[torch.Tensor]) -> list[str]:
+def rebuild_from(model: torch.nn.Module, written: Iterable[torch.Tensor],
+                 threads: int = 1) -> list[str]:
     """Rebuild every copy built from storage that `written` shares, one by one, then restamp
-    them (on threads); their names."""
+    them (on up to `threads` threads); their names."""
     storages = _storages(written)
     picked = [(name, dc) for name, dc in copies(model) if _touches(dc, storages)]
     for _, dc in picked:
         dc.rebuild()
-    _each(DerivedCopy.restamp, [dc for _, dc in picked])
+    _each(DerivedCopy.restamp, [dc for _, dc in picked], threads)
     return sorted(name for name, _ in picked)
 
 
-def stale(model: torch.nn.Module, written: Iterable[torch.Tensor] | None = None) -> list[str]:
+def stale(model: torch.nn.Module, written: Iterable[torch.Tensor] | None = None,
+          threads: int = 1) -> list[str]:
     """Copies whose sources no longer hash to their stamp (only those built from `written`, when
-    given): state the kernels read that was not rebuilt after its weight changed."""
+    given): state the kernels read that was not rebuilt after its weight changed. `threads` > 1
+    hashes copies in parallel: start-up, when nothing else runs; a check while the engine serves
+    keeps to one thread (as `RankReplica.sums`)."""
     storages = None if written is None else _storages(written)
     picked = [(name, dc) for name, dc in copies(model)
               if storages is None or _touches(dc, storages)]
-    ok = _each(DerivedCopy.current, [dc for _, dc in picked])
+    ok = _each(DerivedCopy.current, [dc for _, dc in picked], threads)
     return sorted(f"{name} ({dc.kind})" for (name, dc), good in zip(picked, ok, strict=True)
                   if not good)
 

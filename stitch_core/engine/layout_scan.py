@@ -132,4 +132,3 @@ def scan_shadows(shadows: dict[str, torch.Tensor], bases: np.ndarray,
         if n not in out:
             out[n] = scan_runs(f, bases)
     return {n: out[n] for n in flats}
-

@@ -1,6 +1,6 @@
 """Layer templates: a decoder layer's map taken from a learned twin layer, not loaded again.
 
-One job, about 110 lines. Layout learning (`stitch_core.engine.layout.learn_layout`) loads index
+One job, about 95 lines. Layout learning (`stitch_core.engine.layout.learn_layout`) loads index
 tensors through the model's loaders one group at a time: one group per decoder layer, plus the
 rest. The layers of a model are usually instances of one module class with the same parameters,
 the same loaders and the same checkpoint tensors, and then their maps are the same run arrays

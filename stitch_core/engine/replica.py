@@ -177,7 +177,8 @@ class RankReplica:
         self.layout = layout
         learn_s = time.perf_counter() - t0
         # the engine's own compute threads (torch's count), as nothing is served yet
-        sums = self.sums(threads=min(torch.get_num_threads(), _START_THREADS))
+        start_threads = min(torch.get_num_threads(), _START_THREADS)
+        sums = self.sums(threads=start_threads)
         mapped = {n: sum(s.n_elems for s in t.segments) for n, t in self.layout.tensors.items()}
         return rpc.SetupReply(
             rank=self.rank_info, sums=sums, mapped=mapped, learn_s=learn_s,
@@ -186,7 +187,8 @@ class RankReplica:
             unwritten={p: c for p, c in self.layout.param_unwritten.items() if c},
             derived=self.layout.derived(),
             # kernels' private copies of weights: kept in step (by kind), stale, not kept
-            derived_copies=derived.kinds(self.model), stale_derived=derived.stale(self.model),
+            derived_copies=derived.kinds(self.model),
+            stale_derived=derived.stale(self.model, threads=start_threads),
             unmanaged=derived.unmanaged(self.model), cached=cached,
             templated=0 if cached else layout.templated)
 

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from stitch_core.engine import derived
+from stitch_core.engine.import_hooks import after_import
 from stitch_core.engine.postload import rebuild_dirty
 
 __all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
@@ -106,16 +107,21 @@ def _repack_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     _ORIG_DISPATCH(layer, remove_weight)
 
 
-def _install_moe_keeper() -> bool:
-    """Keep the unpadded, unpacked expert weights of vLLM's CPU MoE kernel."""
+MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+
+
+def _install_moe_keeper() -> None:
+    """Keep the unpadded, unpacked expert weights of vLLM's CPU MoE kernel: its class is wrapped
+    when its module is imported (at once if it is; importing it costs ~0.3 s of every engine
+    start, and a dense model never does; `stitch_core.engine.import_hooks`)."""
+    after_import({MOE_MODULE: _wrap_moe})
+
+
+def _wrap_moe(cpu_moe) -> None:
     global _ORIG_MOE
-    if _ORIG_MOE is not None:
-        return True
-    try:
-        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-    except ImportError:
-        return False
     cls = cpu_moe.CPUUnquantizedExperts
+    if getattr(cls.process_weights_after_loading, "_stitch_keeper", False):
+        return
     orig = cls.process_weights_after_loading
     _ORIG_MOE = orig
 
@@ -129,8 +135,8 @@ def _install_moe_keeper() -> bool:
             derived.register(layer, "moe-packed", kept, functools.partial(_repack_moe, self, layer))
 
     process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
+    process_weights_after_loading._stitch_keeper = True  # type: ignore[attr-defined]
     cls.process_weights_after_loading = process_weights_after_loading
-    return True
 
 
 def _repack_moe(experts, layer: torch.nn.Module) -> None:

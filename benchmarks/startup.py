@@ -11,10 +11,13 @@ start (the layout, then the full per-tensor sums the start-up proof compares wit
 * **restart**: a new replica on the same engine with the same cache (what an engine restarted on
   the same model and code meets): the layout is read from the cache.
 
-The sums are the proof and are paid at every start (they read every weight once). Models: random
-weights of Qwen2 shapes (``stitch_dev.tinymodel``): ``50x`` (23M), ``realistic`` (83M, Llama,
-tied), ``q05b`` (Qwen2.5-0.5B's shapes, 0.63B with an untied lm_head; ~4 GB of RAM), ``q15b``
-(Qwen2.5-1.5B's shapes, 1.54B, tied; ~10 GB of RAM, not in the default sizes).
+The sums are the proof and are paid at every start (they read every weight once). The engine's
+start is timed with Stitch's plugin loaded (as a follower runs), which adds its registration and
+the packed copies' stamps to it: `plugin_load.py` measures that part against a plain engine.
+Models: random weights of Qwen2 shapes (``stitch_dev.tinymodel``): ``50x`` (23M),
+``realistic`` (83M, Llama, tied), ``q05b`` (Qwen2.5-0.5B's shapes, 0.63B with an untied
+lm_head; ~4 GB of RAM), ``q15b`` (Qwen2.5-1.5B's shapes, 1.54B, tied; ~10 GB of RAM, not in
+the default sizes).
 
     .venv-vllm/bin/python benchmarks/startup.py [--sizes realistic,q05b] [--md FILE]
 """

@@ -49,6 +49,26 @@ print(json.dumps({"engine_s": time.perf_counter() - t}))
 """
 
 
+REGISTER = """
+import json, sys, time
+import vllm.model_executor.layers.utils  # imported by the engine before the plugin runs
+t = time.perf_counter()
+import stitch_vllm.plugin
+stitch_vllm.plugin.register()
+print(json.dumps({"s": time.perf_counter() - t, "numba": "numba" in sys.modules}))
+"""
+
+
+def registration(cwd: Path) -> dict:
+    """The plugin's registration alone in a fresh process (what vLLM runs in each of its
+    processes: the API server, the engine core, every worker): seconds, and whether it imported
+    numba (which only the processes that learn layouts, prove or decode need)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", REGISTER], env=env, cwd=cwd, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def start(model: Path, stitch: bool, cwd: Path) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # this tree's Stitch (compare trees: run each)
     if not stitch:
@@ -72,6 +92,7 @@ def main() -> None:
     try:
         model = build_tiny_model(work / "model", seed=0, **(SIZES[a.size] or REALISTIC))
         start(model, True, work)  # warm-up: numba's cache, the page cache
+        regs = [registration(work) for _ in range(5)]
         runs: dict[str, list[float]] = {"plain": [], "stitch": []}
         for i in range(a.reps):
             for kind in ("plain", "stitch") if i % 2 == 0 else ("stitch", "plain"):
@@ -80,6 +101,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
+    reg_runs = ", ".join(f"{r['s']:.3f}" for r in regs)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     md = "\n".join([
         f"# The vLLM plugin's cost inside the engine's own start ({a.size})", "",
@@ -91,7 +113,11 @@ def main() -> None:
         *(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | {med[k]:.2f} |"
           for k, v in runs.items()),
         "", f"With Stitch minus plain, medians: **{med['stitch'] - med['plain']:+.2f} s** "
-        f"({(med['stitch'] - med['plain']) / med['plain']:+.1%} of the plain start)."]) + "\n"
+        f"({(med['stitch'] - med['plain']) / med['plain']:+.1%} of the plain start).", "",
+        "The plugin's registration alone, a fresh process each (vLLM's layer utils imported "
+        f"first), 5 runs: median {statistics.median(r['s'] for r in regs):.3f} s "
+        f"({reg_runs}); imports numba: "
+        f"{any(r['numba'] for r in regs)}."]) + "\n"
     print(md)
     if a.md:
         a.md.write_text(md)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from . import derived
-from .layout import engine_params
 
 __all__ = ["wrap_post_load", "keep", "rebuild_dirty", "same_tensor"]
 
@@ -107,5 +106,9 @@ def _rerun(orig, method, layer: torch.nn.Module, args, kwargs) -> None:
 def rebuild_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:
     """Rebuild every derived copy built from a changed parameter (by storage: a tied lm_head
     re-packs with the embedding); the modules' names, sorted."""
+    # imported here, not at the top: engine plugins import this module in every engine process
+    # (its scheduler's too), where the layout's numba kernels are never used
+    from .layout import engine_params
+
     params = engine_params(model)
     return derived.rebuild_from(model, [params[n] for n in set(dirty_params) if n in params])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 
 from stitch_core.engine import rpc
 from stitch_core.engine.proof import EngineStateError
+from stitch_core.engine.threads import thread_map
 from stitch_core.format import codec, dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import decode_chunk
@@ -50,11 +50,7 @@ class BatchDecoder:
         self.threads = max(1, min(int(threads), os.cpu_count() or 1))
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        if self.threads == 1 or len(items) <= 1:
-            return [fn(x) for x in items]
-        with ThreadPoolExecutor(min(self.threads, len(items)),
-                                thread_name_prefix="stitch-decode") as ex:
-            return list(ex.map(fn, items))
+        return thread_map(fn, items, self.threads, "stitch-decode")
 
     def positions(self, batch: Iterable[tuple[Any, list[tuple[Any, Any]], bool]]) -> Plan:
         jobs: list[tuple[Any, Any, Any]] = []  # (entry, chunk, position bytes), chunk order

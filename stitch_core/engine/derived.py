@@ -37,10 +37,11 @@ import hashlib
 import itertools
 import types
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from stitch_core.engine.threads import thread_map
 
 try:
     import xxhash
@@ -129,11 +130,7 @@ def _touches(dc: DerivedCopy, storages: set[tuple[str, int]]) -> bool:
 def _each(fn: Callable[[DerivedCopy], object], dcs: list[DerivedCopy], threads: int) -> list:
     """fn over every copy, on up to `threads` threads: hashing is most of what a stamp or a
     check costs, and xxhash releases the GIL (1.7x on two cores for 1 GB of bf16)."""
-    threads = min(threads, len(dcs))
-    if threads <= 1:
-        return [fn(dc) for dc in dcs]
-    with ThreadPoolExecutor(threads, thread_name_prefix="stitch-stamp") as ex:
-        return list(ex.map(fn, dcs))
+    return thread_map(fn, dcs, threads, "stitch-stamp")
 
 
 def rebuild_from(model: torch.nn.Module, written: Iterable[torch.Tensor],

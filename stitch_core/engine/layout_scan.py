@@ -11,12 +11,11 @@ time (benchmarks/startup.py).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 
 from stitch_core._jit import numba
+from stitch_core.engine.threads import thread_map
 
 
 class IndexPool:
@@ -122,12 +121,11 @@ def scan_shadows(shadows: dict[str, torch.Tensor], bases: np.ndarray,
     lm_head are two such shadows of one group."""
     flats = {n: sh.view(-1).cpu().numpy() for n, sh in shadows.items()}
     big = [n for n, f in flats.items() if f.shape[0] >= PARALLEL_MIN_ELEMENTS]
-    threads = max(1, min(threads or torch.get_num_threads(), len(big), 8))
+    threads = min(threads or torch.get_num_threads(), 8)
     out: dict[str, tuple] = {}
-    if threads > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="stitch-scan") as ex:
-            for n, res in zip(big, ex.map(lambda n: scan_runs(flats[n], bases), big), strict=True):
-                out[n] = res
+    if threads > 1 and len(big) > 1:
+        scanned = thread_map(lambda n: scan_runs(flats[n], bases), big, threads, "stitch-scan")
+        out.update(zip(big, scanned, strict=True))
     for n, f in flats.items():
         if n not in out:
             out[n] = scan_runs(f, bases)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -51,6 +50,7 @@ from stitch_core.engine.layout import (
     learn_layout,
 )
 from stitch_core.engine.layout_cache import LayoutCache
+from stitch_core.engine.threads import thread_map
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
@@ -202,11 +202,8 @@ class RankReplica:
         layout = self._layout()
         params = self._params()
         todo = list(names if names is not None else layout.tensors)
-        if threads > 1 and len(todo) > 1:
-            with ThreadPoolExecutor(min(threads, len(todo))) as ex:
-                totals = list(ex.map(lambda n: self._sum_tensor(layout, params, n), todo))
-        else:
-            totals = [self._sum_tensor(layout, params, n) for n in todo]
+        totals = thread_map(lambda n: self._sum_tensor(layout, params, n), todo, threads,
+                            "stitch-sums")
         return dict(zip(todo, totals, strict=True))
 
     def _sum_tensor(self, layout: Layout, params: Mapping[str, torch.nn.Parameter],

@@ -48,29 +48,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from startup import SIZES  # noqa: E402 - the same model shapes as the in-process benchmark
 
 from stitch_core.engine.layout import read_safetensors_shapes  # noqa: E402
-from stitch_dev.engines import EngineServer, SglangServer, VllmServer  # noqa: E402
-from stitch_dev.ports import free_port  # noqa: E402
-from stitch_dev.procs import vllm_cmd, vllm_env  # noqa: E402
+from stitch_dev.engines import SglangServer, VllmServer  # noqa: E402
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model  # noqa: E402
 
 RUN = "startup"
-VLLM_STITCH_FLAGS = ("--worker-extension-cls", "--middleware")
-
-
-class PlainVllm(EngineServer):
-    """vLLM's server without any part of Stitch."""
-
-    name = "vLLM server (plain)"
-
-    def __init__(self, model_dir: Path, log: Path):
-        port = free_port()
-        cmd = vllm_cmd(sys.executable, str(model_dir), port)
-        for flag in VLLM_STITCH_FLAGS:
-            i = cmd.index(flag)
-            del cmd[i:i + 2]
-        env = {k: v for k, v in vllm_env(os.environ).items() if not k.startswith("STITCH_")}
-        env["VLLM_PLUGINS"] = "none"  # no entry-point plugin either (Stitch's weight keeper)
-        super().__init__(cmd, env, port, model_dir, log, None)
 
 
 def start(engine: str, kind: str, model: Path, work: Path, n: int) -> dict:
@@ -81,7 +62,7 @@ def start(engine: str, kind: str, model: Path, work: Path, n: int) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
     t0 = time.monotonic()
     if kind == "plain":
-        server = (PlainVllm(model, log) if engine == "vllm"
+        server = (VllmServer(model, log, plain=True) if engine == "vllm"
                   else SglangServer(model, log, plain=True))
     else:
         kw = {"board": str(work / "board"), "run": RUN, "cache_dir": str(cache)}

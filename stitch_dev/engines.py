@@ -159,13 +159,15 @@ class VllmServer(EngineServer):
 
     def __init__(self, model_dir: Path, log: Path, *, tp: int = 1, max_model_len: int = 256,
                  extra: list[str] | tuple[str, ...] = (), api_key: str | None = None,
-                 dev_mode: bool = False, python: str = sys.executable, **stitch: str):
-        """`dev_mode`: VLLM_SERVER_DEV_MODE=1, vLLM's RL and dev routes (`hold_steps`)."""
+                 dev_mode: bool = False, python: str = sys.executable, plain: bool = False,
+                 **stitch: str):
+        """`dev_mode`: VLLM_SERVER_DEV_MODE=1, vLLM's RL and dev routes (`hold_steps`);
+        `plain`: no part of Stitch (`stitch_dev.procs.vllm_cmd` / `vllm_env`)."""
         port = free_port()
-        cmd = vllm_cmd(python, str(model_dir), port, tp, max_model_len) + list(extra)
+        cmd = vllm_cmd(python, str(model_dir), port, tp, max_model_len, plain) + list(extra)
         if api_key:
             cmd += ["--api-key", api_key]
-        env = vllm_env(os.environ, tp, **stitch)
+        env = vllm_env(os.environ, tp, plain, **stitch)
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         super().__init__(cmd, env, port, model_dir, log, api_key)

@@ -51,24 +51,30 @@ def stop(proc: subprocess.Popen, grace: float = 30.0, signal_group: bool = False
 # ---------------------------------------------------------------- vLLM
 
 def vllm_cmd(python: str, model: str, port: int, tp: int = 1,
-             max_model_len: int = 256) -> list[str]:
+             max_model_len: int = 256, plain: bool = False) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` with the Stitch worker extension and
-    middleware, small CPU settings."""
+    middleware (not when `plain`), small CPU settings."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
            "--max-num-seqs", "4", "--port", str(port), "--seed", "0",
-           "--generation-config", "vllm",
-           "--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
-           "--middleware", "stitch_vllm.server.StitchMiddleware"]
+           "--generation-config", "vllm"]
+    if not plain:
+        cmd += ["--worker-extension-cls", "stitch_vllm.worker.StitchWorkerExtension",
+                "--middleware", "stitch_vllm.server.StitchMiddleware"]
     if tp > 1:
         cmd += ["-tp", str(tp), "--distributed-executor-backend", "mp"]
     return cmd
 
 
-def vllm_env(base: Mapping[str, str], tp: int = 1, **stitch: str) -> dict[str, str]:
+def vllm_env(base: Mapping[str, str], tp: int = 1, plain: bool = False,
+             **stitch: str) -> dict[str, str]:
     """`base` with vLLM's CPU settings (1 GB KV cache, one core per rank) and STITCH_* set from
-    `stitch`."""
+    `stitch`; `plain`: no STITCH_* at all and no entry-point plugin (``VLLM_PLUGINS=none``), so
+    no part of Stitch loads."""
     env = dict(base)
+    if plain:
+        env = {k: v for k, v in env.items() if not k.startswith("STITCH_")}
+        env["VLLM_PLUGINS"] = "none"
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_CPU_OMP_THREADS_BIND="nobind" if tp == 1 else "|".join(
                    str(i % (os.cpu_count() or 1)) for i in range(tp)))

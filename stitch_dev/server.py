@@ -42,8 +42,9 @@ class ServerProcess:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
 
-    def wait_version(self, version: int, timeout: float = 400) -> dict:
-        """Poll /stitch/status until the engine serves `version` (fails fast if it died)."""
+    def wait_version(self, version: int, timeout: float = 400, poll: float = 0.25) -> dict:
+        """Poll /stitch/status every `poll` s until the engine serves `version` (fails fast if it
+        died)."""
         deadline = time.monotonic() + timeout
         last: dict | str = "no answer"
         while time.monotonic() < deadline:
@@ -55,7 +56,7 @@ class ServerProcess:
                     return last
             except (httpx.HTTPError, ValueError) as e:
                 last = str(e)
-            time.sleep(0.25)
+            time.sleep(poll)
         raise TimeoutError(f"engine not at v{version} after {timeout}s: {last}\n{self.tail()}")
 
     def wait_applied(self, version: int, timeout: float = 400) -> dict:

@@ -38,7 +38,9 @@ from .engines import Server  # noqa: E402
 
 RUN = "vl-spans"
 PROMPT = [11, 42, 7, 99, 23, 5]  # token ids: both engines see exactly these
-N = 120  # generated tokens of the long request (the holds land well before its end)
+# generated tokens of the long request: the second hold must land after the first apply and
+# before the end, while the engine runs at full speed again (a few ms a token on this model)
+N = 360
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +123,12 @@ def apply_mid_generation(server: Server, trainer: AdamWTrainer, done: float | No
         if done is not None and not server.unfinished_under_hold(done):
             return None
         v = trainer.publish()
-        server.wait_version(v, timeout=120)
+        # polled closely: once applied, the engine generates again (the plugin's own resume)
+        server.wait_version(v, timeout=120, poll=0.01)
     return v
 
 
-def stream_across_two_applies(server: Server, trainer: AdamWTrainer, attempts: int = 3
+def stream_across_two_applies(server: Server, trainer: AdamWTrainer, attempts: int = 5
                               ) -> tuple[Stream, int, int, int]:
     """A long stream with two versions applied while it generates, each while the stream is
     seen unfinished under the hold. When it finished first (a busy host), it is sent again, at
@@ -180,7 +183,7 @@ def regenerate(root, jobs: list[tuple[str, list[tuple[list[int], int]]]]) -> lis
 
 
 def test_spans_mark_the_engine_steps_where_each_apply_took_effect(stack):
-    """A stream of 120 tokens runs across two applies: its spans name three versions and cover
+    """A stream of N tokens runs across two applies: its spans name three versions and cover
     every token; each span's tokens and their logprobs are what a fresh engine at that span's
     version generates from the same prefix, bit for bit, and the first token of each new span is
     given another logprob by the previous version (the apply recomputes the running requests' KV

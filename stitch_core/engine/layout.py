@@ -2,19 +2,22 @@
 
 Size: about 430 lines, one job: learning where each served-view element lives in an engine's
 parameters. Learning the map (the integer shadows) and its run encoding are one algorithm; the
-shadows' memory pool and the numba scan that reads them live in `layout_scan`.
+shadows' memory pool and the numba scan that reads them live in `layout_scan`, the loads that fill
+them in `layout_load`.
 
 A Stitch patch addresses the *served view*: HF tensor names, flat positions in HF shape, new bits.
 Engines store weights differently: q/k/v fused into one ``qkv_proj``, gate/up into
 ``gate_up_proj``, vocab rows padded, every linear sharded over tensor-parallel ranks. Rather than
 re-deriving those rules per architecture and engine, we let the model's *own* ``load_weights``
 tell us: each engine parameter's ``.data`` is temporarily swapped for an integer shadow filled with
--1 (int32 when the group's indices fit, else int64), and the model loads ``arange`` index tensors
-in HF shape (offset by a per-tensor base, so one load can carry several tensors). Whatever the
-loaders narrow / concatenate / pad, each shadow element ends up holding ``base[t] + hf_flat_pos``
-of the HF element it came from (0 where a loader wrote a constant, e.g. zeroed vocab padding; -1
-where nothing was written). That gives, per rank, an exact map HF position -> (engine param,
-flat position), stored compactly as runs.
+-1 (int32 when the group's indices fit, else int64), and the model loads index tensors in HF
+shape (offset by a per-tensor base, so one load can carry several tensors); on a rank that holds
+a shard, each HF element's row id in one load and its column id in a second, as zero-memory
+expanded views, so the rank allocates nothing of a tensor's full size (`layout_load`). Whatever
+the loaders narrow / concatenate / pad, each shadow element ends up holding
+``base[t] + hf_flat_pos`` of the HF element it came from (0 where a loader wrote a constant, e.g.
+zeroed vocab padding; -1 where nothing was written). That gives, per rank, an exact map HF
+position -> (engine param, flat position), stored compactly as runs.
 
 Engine-agnostic: vLLM and SGLang models both expose ``load_weights(iterable of (name, tensor))``.
 An engine adapter whose kernels read a private repacked copy of a weight (vLLM's CPU backend:
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 
 from stitch_core._jit import numba
-from stitch_core.engine import layout_template
+from stitch_core.engine import layout_load, layout_template
 from stitch_core.engine.layout_scan import IndexPool, scan_shadows
 from stitch_core.engine.model_state import NOT_RESTORED, TensorState
 
@@ -182,6 +185,11 @@ class Layout:
     rank_info: dict[str, Any] = field(default_factory=dict)
     # layer groups whose map was taken from a learned twin layer (`layout_template`), not loaded
     templated: int = 0
+    # how this layout was learned (not kept in the layout cache): the groups loaded with the
+    # full HF-shaped index (`layout_load`; the others: row and column ids), and the most bytes
+    # of shadows and index tensors learning held at once
+    full_index_groups: list[str] = field(default_factory=list)
+    learn_bytes: int = 0
 
     def derived(self) -> list[str]:
         """Engine params no loader writes a single element of: computed from other weights after
@@ -277,6 +285,7 @@ def learn_layout(
     rank_info: dict[str, Any] | None = None,
     not_state: Collection[str] = (),
     templates: bool = True,
+    split_index: bool | None = None,
 ) -> Layout:
     """Learn the HF -> engine map by loading index tensors with the model's own loaders.
 
@@ -286,7 +295,10 @@ def learn_layout(
     time; a loader that writes outside its group raises (the engine should then
     be reloaded, its weights are no longer trusted). `not_state`: attribute names the engine
     adapter knows no loader writes (its KV cache), left out of the check on the model's other
-    tensors (`TensorState`).
+    tensors (`TensorState`). `split_index`: load each group as row and column ids (two
+    shadows of the rank's own elements) rather than the full HF-shaped index (the group's whole
+    HF size); default: where that holds less memory, i.e. where the rank holds a shard of the
+    group (`layout_load`). A group whose split load fails is loaded with the full index.
     """
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for n, v in hf_shapes.items():
@@ -313,6 +325,7 @@ def learn_layout(
             owners = layout_template.param_owners(model) if templates else {}
             learned: dict[tuple, tuple[list[str], list[str]]] = {}  # signature -> its group
             n_templated = 0
+            full_groups: list[str] = []
 
             for g in groups:
                 g_hf = [n for n in shapes if key(n) == g]
@@ -324,52 +337,19 @@ def learn_layout(
                                            list(g_params))
                     n_templated += 1
                     continue
-                bases = np.zeros(len(g_hf) + 1, dtype=np.int64)
-                bases[0] = 1  # 0 = constant written by a loader, -1 = untouched
-                for i, n in enumerate(g_hf):
-                    bases[i + 1] = bases[i] + int(np.prod(shapes[n][0], dtype=np.int64))
+                bases = layout_load.starts(
+                    [int(np.prod(shapes[n][0], dtype=np.int64)) for n in g_hf])
                 # int32 indices where the group's values fit: half the transient memory of the
-                # HF-shaped index tensor and the shadows (a 152k x 3584 embedding: 2.2 GB, not 4.4)
+                # shadows (and of the full index, when a group is loaded with it)
                 idx_dtype = torch.int32 if bases[-1] <= INT32_INDEX_MAX else torch.int64
-
-                saved: dict[str, torch.Tensor] = {}
-                saved_rg: dict[str, bool] = {}
-                shadows: dict[str, torch.Tensor] = {}
-                loaded: Any = None
-                sbuf = pool.take("shadow", sum(int(p.numel()) for p in g_params.values()),
-                                 idx_dtype, shadow_device)
-                ibuf = pool.take("index", int(bases[-1] - bases[0]), idx_dtype)
-                try:
-                    off = 0
-                    for n, p in g_params.items():
-                        saved[n] = p.data
-                        saved_rg[n] = p.requires_grad
-                        p.requires_grad_(False)  # int .data is refused on grad params
-                        shadows[n] = sbuf[off:off + p.numel()].view(tuple(p.shape)).fill_(-1)
-                        off += p.numel()
-                        p.data = shadows[n]
-
-                    def index_tensors(g_hf=g_hf, bases=bases, idx_dtype=idx_dtype, ibuf=ibuf):
-                        for i, n in enumerate(g_hf):  # each its own region of the pool
-                            lo, hi = int(bases[i]), int(bases[i + 1])
-                            out = ibuf[lo - 1:hi - 1]
-                            torch.arange(lo, hi, dtype=idx_dtype, out=out)
-                            yield n, out.view(shapes[n][0])
-
-                    try:
-                        loaded = model.load_weights(index_tensors())
-                    except (AttributeError, TypeError) as e:  # e.g. a plain Parameter, no loader
-                        raise RuntimeError(
-                            f"layout learning for group {g!r}: the model's loader failed on its "
-                            f"parameters ({type(e).__name__}: {e}): a post-load step replaced "
-                            "them without their loaders (a quantized kernel no keeper follows)"
-                        ) from e
-                finally:
-                    for n, p in g_params.items():
-                        if n in saved:
-                            p.data = saved[n]
-                            p.requires_grad_(saved_rg[n])
-                if isinstance(loaded, set):
+                shadows, loaded_sets, how = layout_load.load_group(
+                    model, g, g_hf, shapes, g_params, pool, shadow_device, idx_dtype, bases,
+                    split=split_index)
+                if how == "full":
+                    full_groups.append(g)
+                for loaded in loaded_sets:
+                    if not isinstance(loaded, set):
+                        continue
                     # names the loaders reported as loaded must all have been shadowed
                     outside = {ln for ln in loaded if ln in params and ln not in g_params}
                     if outside:
@@ -414,6 +394,8 @@ def learn_layout(
         param_unwritten=unwritten,
         rank_info=dict(rank_info or {}),
         templated=n_templated,
+        full_index_groups=full_groups,
+        learn_bytes=pool.nbytes_peak,
     )
 
 

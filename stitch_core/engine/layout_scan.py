@@ -24,6 +24,7 @@ class IndexPool:
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+        self.nbytes_peak = 0  # the most bytes the pool held at once
 
     def take(self, purpose: str, n: int, dtype: torch.dtype,
              device: str | torch.device = "cpu") -> torch.Tensor:
@@ -32,6 +33,8 @@ class IndexPool:
         if buf is None or buf.numel() < n:
             self._bufs.pop(key, None)  # free the smaller one first
             buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+            self.nbytes_peak = max(self.nbytes_peak, sum(
+                b.numel() * b.element_size() for b in self._bufs.values()))
         return buf[:n]
 
     def clear(self) -> None:

@@ -152,7 +152,7 @@ def test_a_loader_that_views_its_input_falls_back_to_the_full_index(caplog):
     shapes = {"embed.weight": ((V, H), torch.bfloat16)}
     eng = Viewing(2).to(torch.bfloat16)
     eng.load_weights(w.items())
-    with caplog.at_level("INFO", logger="stitch.layout"):
+    with caplog.at_level("WARNING", logger="stitch.layout"):
         lay = L.learn_layout(eng, shapes)
     assert lay.full_index_groups == ["rest"]
     assert "split index load failed" in caplog.text

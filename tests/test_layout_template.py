@@ -200,6 +200,11 @@ async def test_templates_off_learns_every_layer(tmp_path):
     await coord.start(model_dir)
     assert coord.check["ok"] is True and all(r.layout.templated == 0 for r in reps)
     assert coord.check["layout_templated"] == 0
+    # how it was learned, in the status: each layer a TP shard, learned from row and column
+    # ids; the embedding (held whole, padded) from the full index
+    assert coord.check["layout_bytes"] == max(r.layout.learn_bytes for r in reps) > 0
+    assert coord.check["layout_full_index"] == ["rest"]
+    assert all(r.layout.full_index_groups == ["rest"] for r in reps)
 
 
 async def test_templated_maps_prove_at_start(tmp_path, caplog):

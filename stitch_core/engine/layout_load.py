@@ -164,8 +164,9 @@ def load_group(model: torch.nn.Module, group: str, names: list[str], shapes: Sha
                                           bases)
             return shadows, loaded, "split"
         except Exception as e:  # noqa: BLE001 - any loader failure: the full index
-            log.info("layout learning for group %r: the split index load failed (%s: %s); "
-                     "loading the full index", group, type(e).__name__, e)
+            log.warning("stitch: layout learning for group %r: the split index load failed "
+                        "(%s: %s); loading the full index (%.2f GB)", group, type(e).__name__,
+                        e, int(bases[-1] - bases[0]) * dtype.itemsize / 1e9)
     shadows, loaded = _load_full(model, group, names, shapes, g_params, pool, device, dtype,
                                  bases)
     return shadows, loaded, "full"

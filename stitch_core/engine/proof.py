@@ -227,7 +227,12 @@ class HeldState:
                       # start-up: the slowest rank's layout (learned or read from its cache)
                       "layout_s": max(r.learn_s for r in replies),
                       "layout_cached": self.layout_cached,
-                      "layout_templated": self.layout_templated}
+                      "layout_templated": self.layout_templated,
+                      # learned: the most transient bytes on one rank, and the groups some rank
+                      # loaded with the full HF-shaped index (`layout_load`)
+                      "layout_bytes": max(r.learn_bytes for r in replies),
+                      "layout_full_index": sorted({g for r in replies
+                                                   for g in r.full_index_groups})}
         if m is not None:
             self.served.set(m.version)
         log.info("stitch: %s verified on %d rank(s): %d tensors in place, %d via the loader; "

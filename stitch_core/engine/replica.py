@@ -190,7 +190,9 @@ class RankReplica:
             derived_copies=derived.kinds(self.model),
             stale_derived=derived.stale(self.model, threads=start_threads),
             unmanaged=derived.unmanaged(self.model), cached=cached,
-            templated=0 if cached else layout.templated)
+            templated=0 if cached else layout.templated,
+            learn_bytes=0 if cached else layout.learn_bytes,
+            full_index_groups=[] if cached else list(layout.full_index_groups))
 
     def _params(self) -> dict[str, torch.nn.Parameter]:
         return engine_params(self.model)

@@ -47,8 +47,10 @@ class SetupReply:
     (`const`) or never wrote (`unwritten`), parameters no loader writes (`derived`), kernels'
     copies of weights kept in step by kind (`derived_copies`), stale ones (`stale_derived`) and
     closures over state no adapter registered (`unmanaged`); whether the layout came from the
-    rank's layout cache (`cached`), and how many layer groups took a learned twin's map
-    (`templated`)."""
+    rank's layout cache (`cached`), how many layer groups took a learned twin's map
+    (`templated`), and, when learned, the most bytes of shadows and index tensors it held at
+    once (`learn_bytes`) and the groups loaded with the full HF-shaped index
+    (`full_index_groups`; `layout_load`)."""
 
     rank: dict[str, Any]
     sums: dict[str, int]
@@ -63,6 +65,8 @@ class SetupReply:
     unmanaged: list[str] = field(default_factory=list)
     cached: bool = False  # the layout came from the rank's layout cache, not from the loaders
     templated: int = 0  # layer groups whose map was a learned twin's (`layout_template`)
+    learn_bytes: int = 0
+    full_index_groups: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,8 @@ decides the transient memory of learning:
   holds its HF element's row after the first and its column after the second; `combine_ids`
   turns the pair into the flat index ``base[t] + hf_flat_pos`` the scan reads (marked foreign
   where the two disagree). A rank's memory is two shadows of its own elements. The full index
-  would be the group's whole HF size on every rank: for the embedding and untied lm_head group
-  of a 70B model at TP8, ~8 GB of int32 on each of the 8 ranks at once, against ~2 GB of
-  shadows per rank here.
+  would be the group's whole HF size on every rank: learning one rank of a Llama-3-70B-shaped
+  model at TP8 held 9.9 GB that way and 3.0 GB this way (benchmarks/layout_memory.py).
 * **full**: one load of ``arange`` tensors in HF shape (the group's whole HF size). Used on a
   rank that holds the whole group (TP=1: the same memory as split, in one load and without the
   combine: 0.3-0.4 s less at 0.63B, benchmarks/startup.py), for a group whose split load raised

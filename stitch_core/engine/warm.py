@@ -33,6 +33,7 @@ import torch
 
 from stitch_core.engine import rpc
 from stitch_core.engine.coordinator import Coordinator
+from stitch_core.engine.layout import learn_layout
 from stitch_core.engine.replica import RankReplica
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
@@ -46,7 +47,8 @@ __all__ = ["KERNEL_MODULES", "WarmReport", "cache_counts", "kernels", "warm"]
 KERNEL_MODULES = (
     "stitch_core.format.codec", "stitch_core.format.entropy", "stitch_core.format.rans",
     "stitch_core.format.fingerprint", "stitch_core.engine.layout",
-    "stitch_core.engine.layout_scan", "stitch_core.engine.scatter",
+    "stitch_core.engine.layout_scan", "stitch_core.engine.layout_load",
+    "stitch_core.engine.scatter",
 )
 # the served dtypes: bf16/fp16/fp32 views, FP8 codes, packed FP4 codes and E8M0 scales (uint8)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)
@@ -179,6 +181,9 @@ async def _follower_path(work: Path, g: torch.Generator) -> None:
     coord = Coordinator(rpc.in_process([RankReplica(_Toy(v0))]), run=RUN)
     if await coord.start(work / "v0") != 0:
         raise RuntimeError("warm: the toy engine did not prove v0")
+    # a rank holding a shard learns from row and column ids (`layout_load`): its kernel too
+    learn_layout(_Toy(v0), {k: (tuple(t.shape), t.dtype) for k, t in v0.items()},
+                 split_index=True)
     v1 = {k: _changed(t, 0.05, g, 0.004) for k, t in v0.items()}
     path = work / "v1.stp"
     diff(v0, v1, run=RUN, base_version=0, target_version=1, view="bf16",

@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import numba
 import numpy as np
@@ -58,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from adam_data import adamw_run, shape_for  # noqa: E402
+from bench_timing import best_of, best_on_clones  # noqa: E402
 
 import stitch_core  # noqa: E402
 from stitch_core.format import dtypes, entropy, views  # noqa: E402
@@ -65,7 +65,6 @@ from stitch_core.format import fingerprint as fpr  # noqa: E402
 
 Tensors = Mapping[str, torch.Tensor]
 Edits = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (positions, new int bits)
-T = TypeVar("T")
 ZSTD_LEVEL = 3
 
 
@@ -127,39 +126,6 @@ class Series:
 
 def clone(d: Tensors) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in d.items()}
-
-
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """(seconds, result) of one call, with the cyclic GC paused (a full collection costs ~0.4 s
-    here, torch imports that many objects, and would land in whichever call triggers it)."""
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-    finally:
-        gc.enable()
-
-
-def best_of(reps: int, fn: Callable[[], T]) -> tuple[float, T]:
-    """(min seconds, last result) of `reps` calls."""
-    best, out = math.inf, None
-    for _ in range(reps):
-        dt, out = timed(fn)
-        best = min(best, dt)
-    return best, out  # type: ignore[return-value]
-
-
-def best_of_on_clones(
-    reps: int, fn: Callable[[dict[str, torch.Tensor]], T], base: Tensors
-) -> tuple[float, T]:
-    """Like best_of, for an in-place fn: each call gets a fresh clone made outside the timer."""
-    best, out = math.inf, None
-    for _ in range(reps):
-        arg = clone(base)
-        dt, out = timed(lambda: fn(arg))  # noqa: B023 - called at once
-        best = min(best, dt)
-    return best, out  # type: ignore[return-value]
 
 
 def check_same(got: Tensors, want: Tensors, what: str) -> None:
@@ -321,9 +287,9 @@ def measure_pair(
     def ours_apply(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return stitch_core.apply(base, patch, base_fingerprints=fps, inplace=True)
 
-    t_apply, got = best_of_on_clones(reps, ours_apply, prev)
+    t_apply, got = best_on_clones(reps, ours_apply, prev)
     check_same(got, cur, f"step {step}: stitch_core.apply")
-    t_index_put, got = best_of_on_clones(reps, lambda base: index_put(base, edits), prev)
+    t_index_put, got = best_on_clones(reps, lambda base: index_put(base, edits), prev)
     check_same(got, cur, f"step {step}: index_put_ baseline")
 
     header = patch.header

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_timing import best  # noqa: E402
 
 from stitch_core.format import dtypes  # noqa: E402
 from stitch_core.format import fingerprint as fpr  # noqa: E402
@@ -36,13 +37,9 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def best_ns(fn, n: int, reps: int) -> float:
+    """ns per element of the best of `reps` calls, after one untimed call (compiles)."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e9 / n
+    return best(fn, reps) * 1e9 / n
 
 
 def main() -> None:

@@ -60,10 +60,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -71,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from adam_data import ModelShape, shape_for  # noqa: E402
+from bench_timing import best_of  # noqa: E402
 
 import stitch_core  # noqa: E402
 from stitch_core.format import fingerprint as fpr  # noqa: E402
@@ -79,7 +79,6 @@ from stitch_core.format.views import project  # noqa: E402
 
 RUN = "bench-fsdp"
 VIEW = "bf16"
-T = TypeVar("T")
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -103,26 +102,6 @@ OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_li
 
 
 # ---------------------------------------------------------------- helpers (both sides)
-
-
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """(seconds, result) of one call, with the cyclic GC paused."""
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        out = fn()
-        return time.perf_counter() - t0, out
-    finally:
-        gc.enable()
-
-
-def best_of(reps: int, fn: Callable[[], T]) -> tuple[float, T]:
-    """(min seconds, last result) of `reps` calls."""
-    best, out = math.inf, None
-    for _ in range(reps):
-        dt, out = timed(fn)
-        best = min(best, dt)
-    return best, out  # type: ignore[return-value]
 
 
 def build_model(shape: ModelShape, seed: int) -> torch.nn.Module:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 from adam_data import Gradients, shape_for  # noqa: E402
+from bench_timing import best  # noqa: E402
 from squash import pretrained_like  # noqa: E402
 
 import stitch_core  # noqa: E402
@@ -84,15 +85,6 @@ def steps(lr: float, params: float, warm: int, seed: int = 0):
     step()
     new = {k: v.detach().to(torch.bfloat16) for k, v in m.items() if v.dim() == 2}
     return old, new
-
-
-def best(fn, reps: int = 3) -> float:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def measure(lr: float, params: float, warm: int) -> dict:

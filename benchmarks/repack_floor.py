@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
+from bench_timing import best
 
 # hidden, layers, heads, kv heads, intermediate, vocab, tied lm_head
 SIZES = {
@@ -42,15 +42,6 @@ def linear_shapes(size: str) -> list[tuple[int, int]]:
     d = h // heads
     per_layer = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]
     return per_layer * layers + ([] if tied else [(vocab, h)])
-
-
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:

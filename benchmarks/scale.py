@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from adam_data import NOISE_TO_SIGNAL, SIGNAL_RANK, SIGNAL_RHO, ModelShape  # noqa: E402
+from bench_timing import best, best_on_clones  # noqa: E402
 from rank_write import FusedEngine  # noqa: E402
 from squash import pretrained_tensor  # noqa: E402
 
@@ -102,26 +103,6 @@ def grads(name: str, shape: tuple[int, ...], steps: int, vocab: int, g: torch.Ge
         yield out
 
 
-def best(fn, reps: int = 3) -> float:
-    t = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t
-
-
-def best_on_clones(view: dict[str, torch.Tensor], fn, reps: int = 3) -> float:
-    """The best time of fn(clone of view) (clones made outside the timer)."""
-    t = float("inf")
-    for _ in range(reps):
-        c = {n: x.clone() for n, x in view.items()}
-        t0 = time.perf_counter()
-        fn(c)
-        t = min(t, time.perf_counter() - t0)
-    return t
-
-
 def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool, log,
                  synth_threads: int = 2):
     """Per tensor: the bf16 views before/after one AdamW step and the trainer-side timings.
@@ -158,12 +139,12 @@ def version_pair(shape: ModelShape, lr: float, warm: int, seed: int, keep: bool,
         tot["diff"] += best(lambda a=a, b=b, fps=fps: stitch_core.diff(a, b, base_fingerprints=fps))
         patch = stitch_core.diff(a, b, base_fingerprints=fps)
         tot["apply"] += best_on_clones(
-            a, lambda t, patch=patch, fps=fps: stitch_core.apply(t, patch, base_fingerprints=fps,
-                                                                 inplace=True))
+            3, lambda t, patch=patch, fps=fps: stitch_core.apply(t, patch, base_fingerprints=fps,
+                                                                 inplace=True), a)[0]
         vals = ib[pos].clone()
         tot["index_put"] += best_on_clones(
-            a, lambda t, pos=pos, vals=vals, name=name: dtypes.int_view(t[name]).index_put_(
-                (pos,), vals))
+            3, lambda t, pos=pos, vals=vals, name=name: dtypes.int_view(t[name]).index_put_(
+                (pos,), vals), a)[0]
         tot["params"] += a[name].numel()
         tot["changed"] += pos.numel()
         tot["bytes"] += len(patch.data)

@@ -13,20 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from stitch_core.format import fingerprint as fpr
 from stitch_core.format.checkpoint import save_shard, write_index
 from stitch_core.versions.board import Board, open_board
 from stitch_core.versions.manifest import (
     Manifest,
     ObjectRef,
-    TensorInfo,
     announcement,
     check_run,
     version_dir,
@@ -160,23 +157,10 @@ class PublisherBase:
         """The manifest of one version from its tensors' rows and its objects (signed when this
         publisher has a signing key: one signature per version, made here, where it is
         assembled)."""
-        rows = sorted(rows)
-        m = Manifest(
-            run=self.run,
-            version=version,
-            parent=parent,
-            kind=kind,
-            view=self.view,
-            step=step,
-            created=created or now(),
-            producer=producer or self.producer,
-            digest=fpr.digest(rows),
-            tensors=[TensorInfo(name=n, dtype=d, shape=list(s), fingerprint=fpr.fmt(fp))
-                     for n, d, s, fp in rows],
-            objects=objects,
-            changed_elements=changed,
-            total_elements=sum(math.prod(s) for _, _, s, _ in rows),
-        )
+        m = Manifest.from_rows(run=self.run, version=version, parent=parent, kind=kind,
+                               view=self.view, step=step, created=created or now(),
+                               producer=producer or self.producer, rows=rows, objects=objects,
+                               changed=changed)
         return self.signer.sign(m, "manifest") if self.signer is not None else m
 
     def write_snapshot_files(self, shards: Iterable[tuple[str, Mapping[str, torch.Tensor]]],

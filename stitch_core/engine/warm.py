@@ -38,7 +38,7 @@ from stitch_core.engine.replica import RankReplica
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import apply, diff
-from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest, TensorInfo
+from stitch_core.versions.manifest import PULLED_MANIFEST, Manifest
 from stitch_core.versions.store import object_ref
 
 __all__ = ["KERNEL_MODULES", "WarmReport", "cache_counts", "kernels", "warm"]
@@ -155,15 +155,12 @@ class _Toy(torch.nn.Module):
 
 def _manifest(version: int, state: dict[str, torch.Tensor], objects: list) -> Manifest:
     fps = fpr.state_fingerprints(state)
-    tensors = [TensorInfo(name=k, dtype=dtypes.info(t.dtype).name, shape=list(t.shape),
-                          fingerprint=fpr.fmt(fps[k])) for k, t in state.items()]
-    return Manifest(run=RUN, version=version, parent=version - 1 if version else None,
-                    kind="patch" if version else "snapshot", view="bf16",
-                    created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    producer="stitch warm", tensors=tensors,
-                    digest=fpr.digest((t.name, t.dtype, tuple(t.shape), fps[t.name])
-                                      for t in tensors),
-                    objects=objects, total_elements=sum(t.numel() for t in state.values()))
+    return Manifest.from_rows(
+        run=RUN, version=version, parent=version - 1 if version else None,
+        kind="patch" if version else "snapshot", view="bf16",
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), producer="stitch warm",
+        rows=[(k, dtypes.info(t.dtype).name, tuple(t.shape), fps[k]) for k, t in state.items()],
+        objects=objects)
 
 
 async def _follower_path(work: Path, g: torch.Generator) -> None:

@@ -8,7 +8,9 @@ a follower one version behind never downloads the full weights.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -123,6 +125,24 @@ class Manifest(BaseModel):
         if self.patch is not None and self.parent is None:
             raise ValueError("a patch object needs a parent")
         return self
+
+    @classmethod
+    def from_rows(cls, *, run: str, version: int, parent: int | None, kind: str, view: str,
+                  rows: Iterable[tuple[str, str, tuple[int, ...], int]],
+                  objects: list[ObjectRef], producer: str, created: str,
+                  step: int | None = None, changed: int | None = None) -> Manifest:
+        """A version's manifest from its tensors' rows ((name, dtype name, shape, fingerprint),
+        sorted here) and its objects: the one place the version digest and the element total
+        are computed from the rows (publishers and `stitch warm` build with it)."""
+        from stitch_core.format import fingerprint as fpr
+
+        rows = sorted(rows)
+        return cls(run=run, version=version, parent=parent, kind=kind, view=view, step=step,
+                   created=created, producer=producer, digest=fpr.digest(rows),
+                   tensors=[TensorInfo(name=n, dtype=d, shape=list(s), fingerprint=fpr.fmt(fp))
+                            for n, d, s, fp in rows],
+                   objects=objects, changed_elements=changed,
+                   total_elements=sum(math.prod(s) for _, _, s, _ in rows))
 
     @property
     def patch(self) -> ObjectRef | None:

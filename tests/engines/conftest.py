@@ -197,6 +197,11 @@ def tp2(engine, tmp_path_factory, nats_server):
     once = _session_engine("tp2", stop)
     try:
         st["server"] = start(0)
+        # the start-up check (before any fault): at TP=2 each rank holds a shard of every
+        # group, all learned from row and column ids through the engine's own loaders, none
+        # from the full HF-shaped index (`layout_load`)
+        check = st["server"].wait_version(0, timeout=600)["fingerprint_check"]
+        assert check["layout_full_index"] == [] and check["layout_bytes"] > 0, check
         yield st
     finally:
         once()

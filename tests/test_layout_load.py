@@ -160,6 +160,32 @@ def test_a_loader_that_views_its_input_falls_back_to_the_full_index(caplog):
     _places_every_element(lay, eng, {"embed.weight": w["embed.weight"]})
 
 
+def test_a_loader_that_loads_on_its_first_call_only_falls_back_to_the_full_index(caplog):
+    """The second (column) load writes nothing: the two loads disagree on every element, so the
+    group is learned from the full index, in one load, and the map is right."""
+    class Once(Mixed):
+        def __init__(self, rank: int):
+            super().__init__(rank)
+            self.calls = 0
+
+        def load_weights(self, weights):
+            self.calls += 1
+            if self.calls == 2:  # the group's second (column) load: nothing written
+                for _ in weights:
+                    pass
+                return None
+            return super().load_weights(weights)
+
+    w = _weights(MIXED)
+    shapes = {n: (s, torch.bfloat16) for n, s in MIXED.items()}
+    eng = _mixed(1, w)
+    with caplog.at_level("WARNING", logger="stitch.layout"):
+        lay = L.learn_layout(Once(1).to(torch.bfloat16), shapes)
+    assert lay.full_index_groups == ["rest"]
+    assert "row and column ids disagree" in caplog.text
+    same_map(lay, L.learn_layout(eng, shapes, split_index=False))
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_a_loader_that_computes_with_the_values_is_refused_either_way(split):
     class Scaling(Mixed):
@@ -200,5 +226,6 @@ def test_combine_ids_marks_disagreeing_pairs_foreign():
     want += [z for _, _, z in odd]
     a32, b32 = np.array(a, np.int32), np.array(b, np.int32)
     out = a32.copy()
-    LL.combine_ids(out, b32, row0, col0, cols, bases, out)
+    n_foreign = LL.combine_ids(out, b32, row0, col0, cols, bases, out)
     assert out.tolist() == want
+    assert n_foreign == sum(z == foreign for _, _, z in odd) == 5

@@ -18,8 +18,10 @@ decides the transient memory of learning:
 * **full**: one load of ``arange`` tensors in HF shape (the group's whole HF size). Used on a
   rank that holds the whole group (TP=1: the same memory as split, in one load and without the
   combine: 0.3-0.4 s less at 0.63B, benchmarks/startup.py), for a group whose split load raised
-  (a loader that ``.view``-s its input in a way an expanded, stride-0 view refuses), and when
-  the shadows live off the CPU (`combine_ids` runs on the host).
+  (a loader that ``.view``-s its input in a way an expanded, stride-0 view refuses), for a
+  group whose two loads disagree on some element (a loader that computes with the values, or
+  acts on its first call only: the full index then shows what it does), and when the shadows
+  live off the CPU (`combine_ids` runs on the host).
 
 Both put the same values in the shadows (`tests/test_layout.py` learns its engines both ways).
 """
@@ -41,7 +43,7 @@ log = logging.getLogger("stitch.layout")
 
 Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
-__all__ = ["load_group", "combine_ids", "starts"]
+__all__ = ["SplitMismatch", "load_group", "combine_ids", "starts"]
 
 
 def starts(sizes: list[int]) -> np.ndarray:
@@ -133,16 +135,22 @@ def _load_split(model, names, shapes: Shapes, g_params, pool: IndexPool, device,
                          ((n, _ids(shapes[n][0], int(col0[i]), False, dtype))
                           for i, n in enumerate(names)))
 
-    def combine(n: str) -> None:
+    def combine(n: str) -> int:
         x, y = a[n].view(-1).numpy(), b[n].view(-1).numpy()
-        combine_ids(x, y, row0, col0, cols, bases, x)  # in place: a's shadow becomes the index
+        return combine_ids(x, y, row0, col0, cols, bases, x)  # in place: a becomes the index
 
     big = [n for n in a if a[n].numel() >= PARALLEL_MIN_ELEMENTS]
-    thread_map(combine, big, min(torch.get_num_threads(), 8), "stitch-combine")
-    for n in a:
-        if n not in big:
-            combine(n)
+    foreign = sum(thread_map(combine, big, min(torch.get_num_threads(), 8), "stitch-combine"))
+    foreign += sum(combine(n) for n in a if n not in big)
+    if foreign:
+        # the two loads disagree (a loader that computes with the values, or one that acts on
+        # its first call only): the full index decides, in one load, what the loaders do
+        raise SplitMismatch(f"{foreign} elements whose row and column ids disagree")
     return a, [la, lb]
+
+
+class SplitMismatch(RuntimeError):
+    """The row and column loads of a group did not place the same elements alike."""
 
 
 def load_group(model: torch.nn.Module, group: str, names: list[str], shapes: Shapes,
@@ -182,10 +190,12 @@ def combine_ids(a, b, row0, col0, cols, bases, out):  # pragma: no cover - compi
     reads: ``bases[t] + row * cols[t] + col`` when both name tensor t, -1 / 0 where both are
     -1 / 0 (untouched / a loader's constant), ``bases[-1]`` (foreign) otherwise. `out` may be
     `a`. A block of COMBINE_BLOCK elements all inside the tensor of the block before is done
-    without a branch per element; any other block one element at a time."""
+    without a branch per element; any other block one element at a time. Returns the count of
+    foreign elements."""
     nt = row0.shape[0] - 1
     foreign = bases[nt]
     n = a.shape[0]
+    n_foreign = 0
     t = 0
     i = 0
     while i < n:
@@ -207,13 +217,18 @@ def combine_ids(a, b, row0, col0, cols, bases, out):  # pragma: no cover - compi
             x = np.int64(a[j])
             y = np.int64(b[j])
             if x < row0[0] or x >= row0[nt] or y < col0[0] or y >= col0[nt]:
-                out[j] = x if (x == y and x <= 0) else foreign
+                if x == y and x <= 0:
+                    out[j] = x
+                else:
+                    out[j] = foreign
+                    n_foreign += 1
                 continue
             if x < row0[t] or x >= row0[t + 1]:
                 t = np.searchsorted(row0, x, side="right") - 1
             if y < col0[t] or y >= col0[t + 1]:
                 out[j] = foreign
+                n_foreign += 1
             else:
                 out[j] = bases[t] + (x - row0[t]) * cols[t] + (y - col0[t])
         i += COMBINE_BLOCK
-    return 0
+    return n_foreign

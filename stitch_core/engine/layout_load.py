@@ -38,12 +38,13 @@ import torch
 from stitch_core._jit import numba
 from stitch_core.engine.layout_scan import PARALLEL_MIN_ELEMENTS, IndexPool
 from stitch_core.engine.threads import thread_map
+from stitch_core.errors import StitchError
 
 log = logging.getLogger("stitch.layout")
 
 Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
-__all__ = ["SplitMismatch", "load_group", "combine_ids", "starts"]
+__all__ = ["SplitMismatchError", "load_group", "combine_ids", "starts"]
 
 
 def starts(sizes: list[int]) -> np.ndarray:
@@ -145,11 +146,11 @@ def _load_split(model, names, shapes: Shapes, g_params, pool: IndexPool, device,
     if foreign:
         # the two loads disagree (a loader that computes with the values, or one that acts on
         # its first call only): the full index decides, in one load, what the loaders do
-        raise SplitMismatch(f"{foreign} elements whose row and column ids disagree")
+        raise SplitMismatchError(f"{foreign} elements whose row and column ids disagree")
     return a, [la, lb]
 
 
-class SplitMismatch(RuntimeError):
+class SplitMismatchError(StitchError, RuntimeError):
     """The row and column loads of a group did not place the same elements alike."""
 
 

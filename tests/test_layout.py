@@ -63,6 +63,19 @@ def _engine(rank: int, w: dict[str, torch.Tensor]) -> Engine:
     return e
 
 
+def same_map(a: L.Layout, b: L.Layout) -> None:
+    """Two layouts are the same map: counts, summary and every run of every segment."""
+    assert a.param_const == b.param_const and a.param_unwritten == b.param_unwritten
+    assert a.summary() == b.summary()
+    for name, tm in a.tensors.items():
+        other = b.tensors[name].segments
+        assert len(tm.segments) == len(other), name
+        for x, y in zip(tm.segments, other, strict=True):
+            assert x.param == y.param
+            for f in ("hf_start", "eng_start", "length"):
+                assert (getattr(x, f) == getattr(y, f)).all(), (name, f)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_learned_map_places_every_element_where_the_loaders_do(rank):
     w = _hf_weights()
@@ -95,16 +108,7 @@ def test_int64_indices_learn_the_same_map(monkeypatch):
     shapes = {n: (s, torch.bfloat16) for n, s in SHAPES.items()}
     narrow = L.learn_layout(_engine(1, w), shapes)
     monkeypatch.setattr(L, "INT32_INDEX_MAX", 0)
-    wide = L.learn_layout(_engine(1, w), shapes)
-    assert narrow.summary() == wide.summary()
-    assert narrow.param_const == wide.param_const
-    for name, tm in narrow.tensors.items():
-        other = wide.tensors[name].segments
-        assert len(tm.segments) == len(other), name
-        for a, b in zip(tm.segments, other, strict=True):
-            assert a.param == b.param
-            for f in ("hf_start", "eng_start", "length"):
-                assert (getattr(a, f) == getattr(b, f)).all(), (name, f)
+    same_map(narrow, L.learn_layout(_engine(1, w), shapes))
 
 
 def test_apply_through_the_map_equals_loading_the_new_weights():

@@ -10,7 +10,7 @@ import torch
 from stitch_core.engine import layout as L
 from stitch_core.engine import layout_load as LL
 
-from .test_layout import SHAPES, Engine
+from .test_layout import SHAPES, Engine, same_map
 
 E, I, H, V = 3, 8, 4, 64  # experts, expert rows, hidden, vocab
 TP = 4
@@ -59,18 +59,6 @@ def _mixed(rank: int, w: dict[str, torch.Tensor]) -> Mixed:
 def _weights(shapes, seed=0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
-
-
-def same_map(a: L.Layout, b: L.Layout) -> None:
-    assert a.param_const == b.param_const and a.param_unwritten == b.param_unwritten
-    assert a.summary() == b.summary()
-    for name, tm in a.tensors.items():
-        other = b.tensors[name].segments
-        assert len(tm.segments) == len(other), name
-        for x, y in zip(tm.segments, other, strict=True):
-            assert x.param == y.param
-            for f in ("hf_start", "eng_start", "length"):
-                assert (getattr(x, f) == getattr(y, f)).all(), (name, f)
 
 
 def _places_every_element(lay: L.Layout, eng: torch.nn.Module, w: dict) -> None:

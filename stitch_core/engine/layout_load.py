@@ -101,8 +101,8 @@ def _shadow_load(model: torch.nn.Module, g_params: Mapping[str, torch.nn.Paramet
     return shadows, loaded
 
 
-def _load_full(model, group, names, shapes: Shapes, g_params, pool: IndexPool, device,
-               dtype, bases) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def _load_full(model, group, names, shapes: Shapes, g_params, n_shadow: int, pool: IndexPool,
+               device, dtype, bases) -> tuple[dict[str, torch.Tensor], list[Any]]:
     ibuf = pool.take("index", int(bases[-1] - bases[0]), dtype)
 
     def index_tensors():
@@ -112,7 +112,7 @@ def _load_full(model, group, names, shapes: Shapes, g_params, pool: IndexPool, d
             torch.arange(lo, hi, dtype=dtype, out=out)
             yield n, out.view(shapes[n][0])
 
-    sbuf = pool.take("shadow", sum(int(p.numel()) for p in g_params.values()), dtype, device)
+    sbuf = pool.take("shadow", n_shadow, dtype, device)
     try:
         shadows, loaded = _shadow_load(model, g_params, sbuf, index_tensors())
     except (AttributeError, TypeError) as e:  # e.g. a plain Parameter, no loader
@@ -123,12 +123,11 @@ def _load_full(model, group, names, shapes: Shapes, g_params, pool: IndexPool, d
     return shadows, [loaded]
 
 
-def _load_split(model, names, shapes: Shapes, g_params, pool: IndexPool, device, dtype,
-                bases) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def _load_split(model, names, shapes: Shapes, g_params, n_shadow: int, pool: IndexPool, device,
+                dtype, bases) -> tuple[dict[str, torch.Tensor], list[Any]]:
     rc = [_rows_cols(shapes[n][0]) for n in names]
     row0, col0 = starts([r for r, _ in rc]), starts([c for _, c in rc])
     cols = np.asarray([c for _, c in rc], dtype=np.int64)
-    n_shadow = sum(int(p.numel()) for p in g_params.values())
     a, la = _shadow_load(model, g_params, pool.take("shadow", n_shadow, dtype, device),
                          ((n, _ids(shapes[n][0], int(row0[i]), True, dtype))
                           for i, n in enumerate(names)))
@@ -164,19 +163,20 @@ def load_group(model: torch.nn.Module, group: str, names: list[str], shapes: Sha
     rank's shadows are fewer elements than the group's HF tensors (it holds a shard: two shadows
     are then less memory than the full index and one shadow; on a rank holding everything they
     are the same, and one load is faster than two loads and the combine)."""
+    n_shadow = sum(int(p.numel()) for p in g_params.values())  # the rank's elements
     if split is None:
-        split = sum(int(p.numel()) for p in g_params.values()) < int(bases[-1] - bases[0])
+        split = n_shadow < int(bases[-1] - bases[0])
     if split and torch.device(device).type == "cpu":
         try:
-            shadows, loaded = _load_split(model, names, shapes, g_params, pool, device, dtype,
-                                          bases)
+            shadows, loaded = _load_split(model, names, shapes, g_params, n_shadow, pool,
+                                          device, dtype, bases)
             return shadows, loaded, "split"
         except Exception as e:  # noqa: BLE001 - any loader failure: the full index
             log.warning("stitch: layout learning for group %r: the split index load failed "
                         "(%s: %s); loading the full index (%.2f GB)", group, type(e).__name__,
                         e, int(bases[-1] - bases[0]) * dtype.itemsize / 1e9)
-    shadows, loaded = _load_full(model, group, names, shapes, g_params, pool, device, dtype,
-                                 bases)
+    shadows, loaded = _load_full(model, group, names, shapes, g_params, n_shadow, pool, device,
+                                 dtype, bases)
     return shadows, loaded, "full"
 
 

@@ -372,6 +372,8 @@ def engine_job(job_path: str) -> None:
                     "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
                     "pause_s": st["pause_s"], "total_s": st["total_s"],
                     "index_put_s": base.index_put_s, "index_put_elements": base.elements,
+                    "prebuild_s": st.get("prebuild_s"), "prebuilt": st.get("prebuilt"),
+                    "derived_ahead": st.get("derived_ahead"),
                     **eng.row(), "cold": i == 0 and v == 1,
                 })
         t = time.perf_counter()
@@ -652,6 +654,8 @@ A_ROW_COLS = [
     ("gather ms", lambda r, s, n: _ms(r["gather_s"]), True),
     ("gather ms (on the rank)",
      lambda r, s, n: f"{_ms(r['gather_s'])} ({_ms(r['gather_rank_s'])})", False),
+    ("built ahead ms (copies, installed)", lambda r, s, n: f"{_ms(r.get('prebuild_s'))} "
+     f"({r.get('prebuilt')}, {r.get('derived_ahead')})", True),
     ("**rank write ms**", lambda r, s, n: f"**{_ms(r['write_rank_s'])}**", None),
     ("of which re-pack ms (layers)",
      lambda r, s, n: f"{_ms(r['repack_s'])} ({r['repacked_layers']})", True),

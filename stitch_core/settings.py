@@ -42,6 +42,7 @@ PREFIX = "STITCH_"
 # The defaults, each written once: the Settings fields and the constructors use these.
 CACHE_MAX_BYTES = 20 << 30  # the node-local cache's cap (versions.cache)
 APPLY_MEMORY = 1 << 30  # patch bytes an apply decodes at a time (engine.coordinator)
+PREBUILD_MEMORY = 2 << 30  # kernels' weight copies a rank builds ahead of a pause (engine.prebuild)
 DECODE_THREADS = 4  # threads an apply decodes a batch's chunks with (engine.decode)
 MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers to salt it (serve.asgi)
 RECONCILE_INTERVAL = 5.0  # seconds between polls of `latest` (versions.follower)
@@ -196,6 +197,11 @@ class Settings(BaseModel):
         "bytes of patch the API server decodes at a time: a larger patch is gathered, decoded and "
         "written in batches, the first while the engine serves, the others inside the pause (one "
         "transaction); a chunk over it is refused"))
+    prebuild_memory: Bytes = Field(PREBUILD_MEMORY, description=(
+        "per rank, bytes of weights whose kernel copies (vLLM's packed CPU layers) an apply "
+        "builds ahead, while the engine serves, so that its pause only swaps them in; the copies "
+        "are held until the write, the others are rebuilt in the pause; 0: all in the pause "
+        "([engines.md](engines.md#packed-cpu-layouts-built-ahead-of-the-pause))"))
     decode_threads: int = Field(DECODE_THREADS, ge=1, le=256, description=(
         "threads the API server decodes a patch's chunks with (at most the host's CPU count); "
         "batches after the first of a patch over `STITCH_APPLY_MEMORY` are decoded inside the "

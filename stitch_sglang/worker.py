@@ -91,7 +91,8 @@ def _replica(scheduler: Any):
             info = {**info, "kernels": {"fp8": ", ".join(fp8)}}
         rep = RankReplica(model, rank_info=info, layout_cache=from_settings(identity),
                           on_dirty=lambda dirty: rebuild_dirty(model, dirty),
-                          layout_templates=Settings.read("layout_templates"))
+                          layout_templates=Settings.read("layout_templates"),
+                          prebuild_memory=Settings.read("prebuild_memory"))
         # SGLang refuses its online weight updates on a model that declares a reason (checked on
         # every rank before any write): on a follower, weights change only through proven patches
         model._derived_weight_cache_error = REFUSED

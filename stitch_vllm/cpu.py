@@ -14,7 +14,9 @@ parameters would never be seen:
 ``_stitch_masters`` ({attribute: tensor}, what ``stitch_core.engine.layout`` maps and patches) and a
 ``_stitch_repack`` function; ``repack_dirty`` re-packs the modules an apply changed. Costs one extra
 copy of every packed weight, on the CPU only: on GPUs nothing is installed and the kernels read
-``param.data`` directly.
+``param.data`` directly. Packed linear layers can also be built ahead of an apply's pause by
+vLLM's own packing on a stand-in module (`_build_linear`; `stitch_core.engine.prebuild`), so the
+pause only swaps each layer's ``cpu_linear``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ __all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
 _ORIG_DISPATCH = None
 _ORIG_MOE = None
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
+# packed linear copies built ahead of an apply's pause (`stitch_core.engine.prebuild`): the
+# layer's whole state is its ``cpu_linear`` closure
+AHEAD_KINDS = ("onednn", "amx")
 
 
 def init_amx() -> bool:
@@ -72,9 +77,11 @@ def install_cpu_weight_keeper() -> bool:
         if layer.weight is not source:  # weight emptied: keep the master for patching
             layer._stitch_masters = {"weight": source}
         if kind != "torch" or layer.weight is not source:
+            build = (functools.partial(_build_linear, layer, remove_weight, kind)
+                     if kind in AHEAD_KINDS else None)
             derived.register(layer, kind, {"weight": source},
                              functools.partial(_repack_linear, layer, remove_weight),
-                             holders=("cpu_linear",))
+                             holders=("cpu_linear",), build=build)
 
     dispatch.__wrapped__ = orig  # type: ignore[attr-defined]
     lu.dispatch_cpu_unquantized_gemm = dispatch
@@ -105,6 +112,21 @@ def _repack_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     if master is not None:
         layer._parameters["weight"] = master
     _ORIG_DISPATCH(layer, remove_weight)
+
+
+def _build_linear(layer: torch.nn.Module, remove_weight: bool, kind: str,
+                  sources) -> functools.partial:
+    """vLLM's own packing of `sources["weight"]` for `layer`, done on a stand-in module while
+    `layer` keeps serving; returns what installs it (the new ``cpu_linear``). The stand-in
+    shares the layer's bias (the AMX path converts it to fp32 in place, which it already is)."""
+    shim = torch.nn.Module()
+    shim.weight = torch.nn.Parameter(sources["weight"], requires_grad=False)
+    if getattr(layer, "bias", None) is not None:
+        shim.bias = layer.bias
+    _ORIG_DISPATCH(shim, remove_weight)
+    if pack_kind(shim) != kind:
+        raise RuntimeError(f"vLLM packed the stand-in as {pack_kind(shim)}, the layer as {kind}")
+    return functools.partial(setattr, layer, "cpu_linear", shim.cpu_linear)
 
 
 MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"

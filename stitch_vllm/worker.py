@@ -81,7 +81,8 @@ class StitchWorkerExtension:
             rep = RankReplica(model, on_dirty=on_dirty, rank_info=info,
                               layout_cache=from_settings(self._stitch_identity(model, info)),
                               not_state=("kv_cache",),
-                              layout_templates=Settings.read("layout_templates"))
+                              layout_templates=Settings.read("layout_templates"),
+                              prebuild_memory=Settings.read("prebuild_memory"))
             self._stitch_rep = rep
         return rep
 

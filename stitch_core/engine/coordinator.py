@@ -66,6 +66,7 @@ log = logging.getLogger("stitch.engine")
 # old and new bits at int64 and at the tensor's width, the ranks' replies, the RPC copies)
 APPLY_BYTES_PER_ELEMENT = 48
 DEFAULT_APPLY_MEMORY = APPLY_MEMORY  # decoded per batch at most (a patch of any size)
+PREBUILD_POLL = 0.02  # seconds between two asks whether the ranks' builds ahead are done
 Hook = Callable[[], Awaitable[Any]]
 VersionHook = Callable[[int], Awaitable[Any]]
 
@@ -174,12 +175,14 @@ class Coordinator(HeldState):
                 batches = self._batches(patch, placed)
                 aid = uuid.uuid4().hex
                 fb_new = await asyncio.to_thread(self._decode_fallback, patch, fallback)
-                timing = {"gather_s": 0.0, "gather_rank_s": 0.0}
+                timing = {"gather_s": 0.0, "gather_rank_s": 0.0, "prebuild_s": 0.0, "prebuilt": 0}
                 running: dict[str, int] = {}
                 # the first batch (a patch within the apply memory: all of it) is decoded while
                 # the engine serves; the others are gathered, decoded and written in the pause
                 first = await self._prepare(patch, batches[0] if batches else [], aid, running,
                                             timing)
+                if len(batches) == 1 and self.derived_copies:
+                    await self._prebuild(aid, first, timing)
                 stats = await self._write(m, aid, self._each(patch, batches, first, aid, running,
                                                              timing), fb_new)
             finally:
@@ -270,6 +273,28 @@ class Coordinator(HeldState):
         timing["gather_rank_s"] += max((g.seconds for g in gathered), default=0.0)
         return await asyncio.to_thread(self.decoder.values, plan, gathered, running, self.fps)
 
+    async def _prebuild(self, aid: str, values: dict[str, np.ndarray],
+                        timing: dict[str, Any]) -> None:
+        """Have the ranks build the kernels' copies of weights this write will change while the
+        engine still serves (`stitch_core.engine.prebuild`), and wait until they have: the
+        pause then installs them instead of rebuilding them. Never fails the apply: a rank that
+        could not, or did not in time, rebuilds in the pause as before."""
+        t0 = time.perf_counter()
+        try:
+            replies: list[rpc.PrebuildReply] = await self.call_ranks(rpc.Prebuild(aid, values))
+            while not all(r.done for r in replies):
+                if time.perf_counter() - t0 > (self.rpc_timeout or 60.0):
+                    log.warning("stitch: copies built ahead not ready in %.0f s; the pause "
+                                "rebuilds the rest", time.perf_counter() - t0)
+                    break
+                await asyncio.sleep(PREBUILD_POLL)
+                replies = await self.call_ranks(rpc.Prebuild(aid))
+        except Exception as e:  # noqa: BLE001 - the in-pause rebuild is the fallback
+            log.warning("stitch: building ahead failed (%s); the pause rebuilds", e)
+            return
+        timing["prebuild_s"] = time.perf_counter() - t0
+        timing["prebuilt"] = max((r.copies for r in replies), default=0)
+
     async def _each(self, patch, batches, first: dict[str, np.ndarray], aid: str,
                     running: dict[str, int], timing: dict[str, float]
                     ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
@@ -345,6 +370,7 @@ class Coordinator(HeldState):
         return {"write_s": write_s, "pause_s": pause_s,
                 "write_rank_s": rank_s,
                 "derived_rebuilt": max((len(r.rebuilt) for r in replies), default=0),
+                "derived_ahead": max((r.ahead for r in replies), default=0),
                 "rebuild_rank_s": max((r.rebuild_s for r in replies), default=0.0)}
 
     async def load_snapshot(self, m: Manifest, snap_dir: Path) -> None:

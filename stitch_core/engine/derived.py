@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import types
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +53,7 @@ except ImportError:  # pragma: no cover - a declared dependency
 __all__ = ["DerivedCopy", "register", "copies", "rebuild_from", "stale", "unmanaged", "kinds",
            "digest", "generation", "not_rebuilt"]
 
+log = logging.getLogger("stitch.engine")
 ATTR = "_stitch_derived"
 _GENERATIONS = itertools.count(1)  # stamps and apply marks, in the order they happen
 # closures over these are not derived state (configuration, other code)
@@ -70,10 +73,33 @@ class DerivedCopy:
     holders: tuple[str, ...] = ()
     stamp: bytes = field(default=b"", repr=False)
     built: int = 0  # the generation of the last stamp
+    # builds the copy from other source tensors ({attribute: tensor}, as `sources`) without
+    # touching the module, and returns what installs it: the copy built ahead of a pause
+    # (`stitch_core.engine.prebuild`); None: this kind is only rebuilt in place
+    build: Callable[[Mapping[str, torch.Tensor]], Callable[[], None]] | None = None
+    # set by the rank for one write only: a build ahead whose sources are, by construction, what
+    # the write leaves in `sources` (a future of (install, stamp of those sources))
+    ahead: Future | None = field(default=None, repr=False)
 
     def restamp(self) -> None:
         self.stamp = digest(self.sources.values())
         self.built = next(_GENERATIONS)
+
+    def install_ahead(self) -> bool:
+        """Install the copy built ahead, if there is one and its build succeeded (it carries
+        the stamp of the sources it was built from); False: rebuild it in place."""
+        fut, self.ahead = self.ahead, None
+        if fut is None:
+            return False
+        try:
+            install, stamp = fut.result()
+        except Exception as e:  # noqa: BLE001 - the in-place rebuild is the fallback
+            log.warning("stitch: a %s copy built ahead failed (%s: %s); rebuilt in the pause",
+                        self.kind, type(e).__name__, e)
+            return False
+        install()
+        self.stamp, self.built = stamp, next(_GENERATIONS)
+        return True
 
     def current(self) -> bool:
         return digest(self.sources.values()) == self.stamp
@@ -101,9 +127,12 @@ def digest(tensors: Iterable[torch.Tensor]) -> bytes:
 
 
 def register(module: torch.nn.Module, kind: str, sources: Mapping[str, torch.Tensor],
-             rebuild: Callable[[], object], holders: Iterable[str] = ()) -> DerivedCopy:
-    """Record that `module` holds state of `kind` built just now from `sources`."""
-    dc = DerivedCopy(kind, dict(sources), rebuild, tuple(holders))
+             rebuild: Callable[[], object], holders: Iterable[str] = (),
+             build: Callable[[Mapping[str, torch.Tensor]], Callable[[], None]] | None = None,
+             ) -> DerivedCopy:
+    """Record that `module` holds state of `kind` built just now from `sources` (`build`: see
+    `DerivedCopy`)."""
+    dc = DerivedCopy(kind, dict(sources), rebuild, tuple(holders), build=build)
     dc.restamp()
     setattr(module, ATTR, dc)
     return dc
@@ -136,12 +165,16 @@ def _each(fn: Callable[[DerivedCopy], object], dcs: list[DerivedCopy], threads: 
 def rebuild_from(model: torch.nn.Module, written: Iterable[torch.Tensor],
                  threads: int = 1) -> list[str]:
     """Rebuild every copy built from storage that `written` shares, one by one, then restamp
-    them (on up to `threads` threads); their names."""
+    them (on up to `threads` threads); their names. A copy the rank armed with a build ahead
+    (`DerivedCopy.ahead`) is installed from it instead (already stamped)."""
     storages = _storages(written)
     picked = [(name, dc) for name, dc in copies(model) if _touches(dc, storages)]
+    rebuilt = []
     for _, dc in picked:
-        dc.rebuild()
-    _each(DerivedCopy.restamp, [dc for _, dc in picked], threads)
+        if not dc.install_ahead():
+            dc.rebuild()
+            rebuilt.append(dc)
+    _each(DerivedCopy.restamp, rebuilt, threads)
     return sorted(name for name, _ in picked)
 
 

@@ -1,6 +1,6 @@
 """Rank side of an in-place engine apply: gather old bits, write new bits, prove what was written.
 
-Size: about 470 lines, one job: the rank side of the apply protocol (gather, write with
+Size: about 500 lines, one job: the rank side of the apply protocol (gather, write with
 read-back, undo / commit, sums, whole-tensor loads) over one rank's layout; the bit helpers above
 `RankReplica` exist only for its writes and sums.
 
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stitch_core.engine import derived, rpc, scatter
+from stitch_core.engine import derived, prebuild, rpc, scatter
 from stitch_core.engine.failpoints import Failpoints
 from stitch_core.engine.layout import (
     Layout,
@@ -127,6 +127,8 @@ class RankReplica:
     (engines that repack weights after loading). on_dirty: called with the engine parameter
     names whose bits changed (e.g. to re-pack them). not_state: attribute names of runtime state
     no loader writes (an engine's per-layer KV cache), left out of layout learning's check.
+    prebuild_memory: bytes of kernels' weight copies an apply may build ahead of its write
+    (`stitch_core.engine.prebuild`; 0: rebuilt in the pause only).
     """
 
     def __init__(self, model: torch.nn.Module, *,
@@ -135,7 +137,8 @@ class RankReplica:
                  rank_info: dict[str, Any] | None = None,
                  layout_cache: LayoutCache | None = None,
                  not_state: Collection[str] = (),
-                 layout_templates: bool = True):
+                 layout_templates: bool = True,
+                 prebuild_memory: int = 0):
         self.model = model
         self.not_state = tuple(not_state)  # attributes no loader writes (learn_layout)
         self.layout_cache = layout_cache
@@ -153,6 +156,8 @@ class RankReplica:
         # index_put_ or gather against (stitch_dev.rank_baseline)
         self.last_write: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.failpoints = Failpoints()  # tests and chaos drills only (STITCH_FAILPOINTS=1)
+        self._ahead = prebuild.Stager(model, prebuild_memory)  # copies built ahead of a write
+        self._writes = 0  # writes, restores and loads so far: a build ahead must see none since
 
     # ------------------------------------------------------------ set-up and full checks
 
@@ -246,6 +251,7 @@ class RankReplica:
         """Locate HF flat positions on this rank; return the old bits of those it holds."""
         layout = self._layout()
         params = self._params()
+        self._ahead.drop()
         self._plan, self._plan_id = {}, apply_id
         t0 = time.perf_counter()
         out: dict[str, rpc.Held] = {}
@@ -302,6 +308,22 @@ class RankReplica:
                                      old_bits[idx].numpy())
         return rpc.GatherReply(out, time.perf_counter() - t0)
 
+    def prebuild(self, apply_id: str, values: Mapping[str, np.ndarray] | None
+                 ) -> rpc.PrebuildReply:
+        """Start building ahead the kernels' copies a write of `values` (gathered as `apply_id`)
+        will change, while the engine serves (`stitch_core.engine.prebuild`); `values` None: how
+        far that is."""
+        if values is not None:
+            if apply_id != self._plan_id:
+                raise ReplicaError(f"prebuild {apply_id} without a matching gather "
+                                   f"({self._plan_id})")
+            layout = self._layout()
+            self._ahead.start(apply_id, self._writes, self._params(), self._plan, values,
+                              {n: layout.tensors[n].hf_dtype for n in values})
+        st = self._ahead.status(apply_id)
+        return rpc.PrebuildReply(apply_id, int(st["copies"]), int(st["nbytes"]), bool(st["done"]),
+                                 float(st["seconds"]), str(st["why"]))
+
     def write(self, apply_id: str, values: Mapping[str, np.ndarray],
               last: bool = True) -> rpc.WriteReply:
         """Write new bits (every position of each gathered tensor, in gather order). An apply
@@ -313,6 +335,10 @@ class RankReplica:
         layout = self._layout()
         params = self._params()
         t0 = time.perf_counter()
+        ahead = self._ahead.take(apply_id, self._writes, values,
+                                 one_batch=last and self._undo_id != apply_id)
+        self._writes += 1
+        ahead_installed = 0
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         dirty: set[str] = set()
         deltas: dict[str, int] = {}
@@ -339,12 +365,7 @@ class RankReplica:
                     if scatter.fused(flat, tm.hf_dtype, eng):  # CPU: one kernel, two passes
                         d += scatter.write_read_back_sum(name, flat, eng, new_bits, hpos) - osum
                         continue
-                    new_vals = new_bits.view(tm.hf_dtype)
-                    if flat.dtype == tm.hf_dtype:
-                        iv = dtypes.info(flat.dtype).int_dtype
-                        flat.view(iv).index_put_((eng,), new_vals.view(iv))
-                    else:  # the engine keeps a wider dtype (e.g. fp32 bias): exact conversion
-                        flat.index_put_((eng,), new_vals.to(flat.dtype))
+                    scatter.write_bits(flat, eng, new_bits, tm.hf_dtype)
                     back = flat[eng]
                     extra = _INEXACT * _inexact(back, tm.hf_dtype)
                     d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
@@ -357,7 +378,14 @@ class RankReplica:
             if last and all_dirty:
                 mark = derived.generation()
                 t_r = time.perf_counter()
-                rebuilt = list(self.on_dirty(all_dirty) or ())
+                if ahead is not None:
+                    ahead.arm()  # the copies built ahead are installed instead of rebuilt
+                try:
+                    rebuilt = list(self.on_dirty(all_dirty) or ())
+                finally:
+                    if ahead is not None:
+                        ahead.disarm()
+                        ahead_installed = ahead.installed(mark)
                 rebuild_s = time.perf_counter() - t_r
                 # what the kernels read: every derived copy built from what was written must have
                 # been rebuilt (and stamped) since, from the bytes that are there now
@@ -368,6 +396,8 @@ class RankReplica:
                     raise ReplicaError(f"derived copies not rebuilt after the write (kernels would "
                                        f"read old values): {', '.join(stale[:5])}; undone")
         except BaseException:
+            if ahead is not None:
+                ahead.cancel()
             self._restore(undo, dirty)
             raise
         if self._undo_id == apply_id:  # a later batch of the same apply: one undo for all
@@ -380,9 +410,10 @@ class RankReplica:
         if self.failpoints.armed:  # tests: all written (undo record kept), then the call fails
             self.failpoints.hit("written")
         return rpc.WriteReply(deltas, sorted(dirty), time.perf_counter() - t0, rebuilt,
-                              rebuild_s)
+                              rebuild_s, ahead_installed)
 
     def _restore(self, undo, dirty: set[str]) -> None:
+        self._writes += 1
         for flat, eng, old in reversed(undo):
             if flat.dtype == old.dtype:
                 iv = dtypes.info(flat.dtype).int_dtype
@@ -405,6 +436,7 @@ class RankReplica:
             self._undo, self._undo_id, self._dirty = [], None, set()
         if apply_id == self._plan_id:
             self._plan, self._plan_id = {}, None
+        self._ahead.drop(apply_id)
         return rpc.Done(apply_id)
 
     # ------------------------------------------------------------ the engine's own loader
@@ -413,6 +445,8 @@ class RankReplica:
         """Load whole tensors through the model's own `load_weights` (fallback and snapshots)."""
         t0 = time.perf_counter()
         items = list(items)
+        self._ahead.drop()
+        self._writes += 1
         with self.masters(self.model):
             self.model.load_weights(iter(items))
         layout = self.layout
@@ -462,6 +496,8 @@ class RankReplica:
                 return rpc.SumsReply(self.sums(names), derived.stale(self.model))
             case rpc.Gather(aid, positions):
                 return self.gather(aid, positions)
+            case rpc.Prebuild(aid, values):
+                return self.prebuild(aid, values)
             case rpc.Write(aid, values, last):
                 return self.write(aid, values, last)
             case rpc.Undo(aid):

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Setup", "SetupReply", "Sums", "SumsReply", "Gather", "Held", "GatherReply", "Write",
-           "WriteReply", "Undo", "Commit", "Done", "Load", "LoadFiles", "LoadReply", "Arm",
+           "WriteReply", "Prebuild", "PrebuildReply", "Undo", "Commit", "Done", "Load",
+           "LoadFiles", "LoadReply", "Arm",
            "ArmReply", "Failed", "Request", "Reply", "index_dtype", "encode", "decode",
            "in_process"]
 
@@ -124,14 +125,39 @@ class Write:
 class WriteReply:
     """Per tensor the fingerprint delta of what is in memory now over every copy the rank holds
     (`delta`), the engine parameters written (`dirty`), the modules whose derived copies (packed,
-    re-quantized) were rebuilt from them (`rebuilt`) and the seconds that took (`rebuild_s`,
-    part of `seconds`)."""
+    re-quantized) were rebuilt from them (`rebuilt`), the seconds that took (`rebuild_s`, part of
+    `seconds`) and how many of them were built ahead and only installed (`ahead`)."""
 
     delta: dict[str, int]
     dirty: list[str]
     seconds: float
     rebuilt: list[str] = field(default_factory=list)
     rebuild_s: float = 0.0
+    ahead: int = 0  # of `rebuilt`: installed from builds ahead of the pause (`Prebuild`)
+
+
+@dataclass(frozen=True)
+class Prebuild:
+    """Apply `id`, between gather and write, while the engine serves: the new bits the write will
+    carry (as `Write.values`). The rank starts building, off to the side, the kernels' copies of
+    weights (packed layouts) those bits will change (`stitch_core.engine.prebuild`); the write
+    installs them instead of rebuilding them in the pause. `values` None: only say how far it is."""
+
+    id: str
+    values: dict[str, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class PrebuildReply:
+    """How many derived copies the rank builds ahead (`copies`, `nbytes` of their sources),
+    whether all are built (`done`), the seconds since it started, and why it built none (`why`)."""
+
+    id: str
+    copies: int
+    nbytes: int
+    done: bool
+    seconds: float = 0.0
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,8 +237,9 @@ class Failed:
     rank: dict[str, Any] = field(default_factory=dict)
 
 
-Request = Setup | Sums | Gather | Write | Undo | Commit | Load | LoadFiles | Arm
-Reply = SetupReply | SumsReply | GatherReply | WriteReply | Done | LoadReply | ArmReply | Failed
+Request = (Setup | Sums | Gather | Prebuild | Write | Undo | Commit | Load | LoadFiles | Arm)
+Reply = (SetupReply | SumsReply | GatherReply | PrebuildReply | WriteReply | Done | LoadReply
+         | ArmReply | Failed)
 
 
 def encode(msg: Request | Reply) -> bytes:

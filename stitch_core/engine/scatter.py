@@ -39,6 +39,19 @@ def _write_read_back_sum(flat, eng, new, hpos, seed, itemsize):  # pragma: no co
     return True, acc
 
 
+def write_bits(flat: torch.Tensor, eng: torch.Tensor, new_bits: torch.Tensor,
+               hf_dtype: torch.dtype) -> None:
+    """flat[eng] = the served-dtype values whose integer bits are `new_bits`: bit for bit where
+    the engine keeps the served dtype, an exact widening where it keeps a wider one (fp32 bias).
+    What `write_read_back_sum` writes, without the read-back (torch; any device)."""
+    new_vals = new_bits.view(hf_dtype)
+    if flat.dtype == hf_dtype:
+        iv = dtypes.info(flat.dtype).int_dtype
+        flat.view(iv).index_put_((eng,), new_vals.view(iv))
+    else:
+        flat.index_put_((eng,), new_vals.to(flat.dtype))
+
+
 def fused(flat: torch.Tensor, hf_dtype: torch.dtype, eng: torch.Tensor) -> bool:
     """Whether `write_read_back_sum` serves this engine tensor (CPU, the served dtype)."""
     return (flat.device.type == "cpu" and flat.dtype == hf_dtype and flat.is_contiguous()

@@ -1,0 +1,204 @@
+"""stitch_core.engine.prebuild: kernels' copies of weights built ahead of an apply's pause.
+
+The tied toy model of tests/test_derived.py, whose "kernels" read packed copies held in closures
+(as vLLM's CPU backend does), with a `build` that packs a copy from given sources without
+touching the module. A build ahead must be installed only for exactly the write it was staged
+for, and the model must then serve what a fresh pack of the written weights serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stitch_core.engine import derived, rpc
+from stitch_core.engine.layout import engine_params
+from stitch_core.engine.replica import RankReplica
+
+V, D = 40, 8
+EMB = "model.embed_tokens.weight"
+SHAPES = {EMB: ((V, D), "F32"), "model.proj.weight": ((D, D), "F32")}
+
+
+def _packed(source: torch.Tensor, lookup: bool = False):
+    packed = source.detach().clone()  # a private copy, as a packed kernel keeps
+    return (lambda ids: packed[ids]) if lookup else (lambda x: x @ packed.t())
+
+
+class Tied(nn.Module):
+    """embed_tokens and lm_head share one parameter; each packs its own copy, and counts how
+    often it was rebuilt in place and built ahead (and on which thread)."""
+
+    def __init__(self, fail_build: bool = False):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(V, D)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.proj = nn.Linear(D, D, bias=False)
+        self.rebuilds = 0
+        self.builds: list[str] = []  # thread names
+        for mod in (self.model.embed_tokens, self.lm_head, self.model.proj):
+            w, lookup = mod.weight, mod is self.model.embed_tokens
+            mod.cpu_linear = _packed(w, lookup)
+
+            def rebuild(mod=mod, w=w, lookup=lookup):
+                self.rebuilds += 1
+                mod.cpu_linear = _packed(w, lookup)
+
+            def build(sources, mod=mod, lookup=lookup):
+                self.builds.append(threading.current_thread().name)
+                if fail_build:
+                    raise RuntimeError("packing failed")
+                fn = _packed(sources["weight"], lookup)
+                return lambda: setattr(mod, "cpu_linear", fn)
+
+            derived.register(mod, "toy", {"weight": w}, rebuild, holders=("cpu_linear",),
+                             build=build)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens.cpu_linear(ids)
+        return self.lm_head.cpu_linear(self.model.proj.cpu_linear(h))
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+        return set(params)
+
+
+def _replica(m: Tied, budget: int = 1 << 20, fail_once: bool = False) -> RankReplica:
+    failed = []
+
+    def on_dirty(dirty):
+        params = engine_params(m)
+        out = derived.rebuild_from(m, [params[n] for n in dirty])
+        if fail_once and not failed:
+            failed.append(1)
+            raise RuntimeError("rank failed after its rebuild")
+        return out
+
+    rep = RankReplica(m, on_dirty=on_dirty, prebuild_memory=budget)
+    assert rep.setup(SHAPES).stale_derived == []
+    return rep
+
+
+def _fresh_output(m: Tied) -> torch.Tensor:
+    """What a model packed from scratch from `m`'s current weights serves."""
+    fresh = Tied()
+    fresh.load_weights((n, p.detach()) for n, p in m.named_parameters())
+    for mod in (fresh.model.embed_tokens, fresh.lm_head, fresh.model.proj):
+        mod.cpu_linear = _packed(mod.weight, mod is fresh.model.embed_tokens)
+    return fresh(IDS)
+
+
+IDS = torch.tensor([[1, 3, 5, 39]])
+POS = np.asarray([0, 17, 3 * D + 1, V * D - 1], dtype=np.int32)
+NEW = torch.tensor([1.5, -2.0, 0.75, 3.25])
+
+
+def _stage(rep: RankReplica, new: torch.Tensor = NEW) -> rpc.PrebuildReply:
+    rep.gather("a1", {EMB: POS})
+    out = rep.prebuild("a1", {EMB: new.view(torch.int32).numpy()})
+    while not out.done:
+        out = rep.prebuild("a1", None)
+    return out
+
+
+def test_copies_built_ahead_are_installed_by_the_write_they_were_staged_for():
+    m = Tied()
+    rep = _replica(m)
+    staged = _stage(rep)
+    # the embedding's and the tied lm_head's copies; proj is not written
+    assert staged.copies == 2 and staged.nbytes == 2 * V * D * 4 and staged.why == ""
+    assert m.builds == ["stitch-prebuild"] * 2 and m.rebuilds == 0
+    before = m(IDS)
+    out = rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})
+    rep.commit("a1")
+    assert out.ahead == 2 and out.rebuilt == ["lm_head", "model.embed_tokens"]
+    assert m.rebuilds == 0  # installed, not rebuilt in the pause
+    assert derived.stale(m) == []  # their stamps are the written weights' digests
+    assert m.model.embed_tokens.weight.reshape(-1)[POS.astype(np.int64)].tolist() == NEW.tolist()
+    after = m(IDS)
+    assert not torch.equal(after, before) and torch.equal(after, _fresh_output(m))
+
+
+def test_a_write_of_other_bits_rebuilds_in_the_pause():
+    m = Tied()
+    rep = _replica(m)
+    _stage(rep)
+    other = NEW + 1
+    out = rep.write("a1", {EMB: other.view(torch.int32).numpy()})
+    assert out.ahead == 0 and m.rebuilds == 2
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+    assert m.model.embed_tokens.weight.reshape(-1)[POS.astype(np.int64)].tolist() == other.tolist()
+
+
+def test_a_load_between_stage_and_write_drops_the_build():
+    m = Tied()
+    rep = _replica(m)
+    _stage(rep)
+    rep.load([(EMB, torch.zeros(V, D))])  # a snapshot load: the staged build is stale
+    assert rep.prebuild("a1", None).copies == 0
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+
+
+def test_a_failed_build_falls_back_to_the_rebuild(caplog):
+    m = Tied(fail_build=True)
+    rep = _replica(m)
+    assert _stage(rep).done
+    with caplog.at_level(logging.WARNING, "stitch.engine"):
+        out = rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})
+    assert out.ahead == 0 and m.rebuilds == 2 and "packing failed" in caplog.text
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+
+
+def test_a_failed_write_restores_from_the_old_weights_not_the_build():
+    m = Tied()
+    rep = _replica(m, fail_once=True)
+    old_out, old_w = m(IDS), m.model.embed_tokens.weight.detach().clone()
+    _stage(rep)
+    with pytest.raises(RuntimeError, match="after its rebuild"):
+        rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})
+    # the builds ahead were installed, then the write failed: the restore rebuilt from the old
+    assert torch.equal(m.model.embed_tokens.weight, old_w)
+    assert derived.stale(m) == [] and torch.equal(m(IDS), old_out)
+
+
+def test_copies_over_the_budget_are_rebuilt_in_the_pause():
+    m = Tied()
+    rep = _replica(m, budget=V * D * 4)  # room for one of the two copies
+    staged = _stage(rep)
+    assert staged.copies == 1
+    out = rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})
+    assert out.ahead == 1 and m.rebuilds == 1
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+    rep2 = _replica(Tied(), budget=0)
+    assert "STITCH_PREBUILD_MEMORY is 0" in _stage(rep2).why
+
+
+def test_prebuild_needs_the_matching_gather():
+    m = Tied()
+    rep = _replica(m)
+    rep.gather("a1", {EMB: POS})
+    with pytest.raises(Exception, match="without a matching gather"):
+        rep.prebuild("a2", {EMB: NEW.view(torch.int32).numpy()})
+    assert rep.prebuild("a2", None).copies == 0  # nothing staged for it
+
+
+def test_prebuild_travels_through_the_rank_rpc():
+    m = Tied()
+    rep = _replica(m)
+    rep.handle(rpc.Gather("a1", {EMB: POS}))
+    reply = rpc.decode(rpc.encode(rep.handle(rpc.decode(rpc.encode(
+        rpc.Prebuild("a1", {EMB: NEW.view(torch.int32).numpy()}))))))
+    assert isinstance(reply, rpc.PrebuildReply) and reply.copies == 2
+    while not rep.handle(rpc.Prebuild("a1")).done:
+        pass
+    out = rep.handle(rpc.Write("a1", {EMB: NEW.view(torch.int32).numpy()}))
+    assert out.ahead == 2 and torch.equal(m(IDS), _fresh_output(m))

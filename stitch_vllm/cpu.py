@@ -117,8 +117,9 @@ def _repack_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
 def _build_linear(layer: torch.nn.Module, remove_weight: bool, kind: str,
                   sources) -> functools.partial:
     """vLLM's own packing of `sources["weight"]` for `layer`, done on a stand-in module while
-    `layer` keeps serving; returns what installs it (the new ``cpu_linear``). The stand-in
-    shares the layer's bias (the AMX path converts it to fp32 in place, which it already is)."""
+    `layer` keeps serving; returns what installs it (the new ``cpu_linear``; it returns the
+    old one, which the rank frees after the pause). The stand-in shares the layer's bias (the
+    AMX path converts it to fp32 in place, which it already is)."""
     shim = torch.nn.Module()
     shim.weight = torch.nn.Parameter(sources["weight"], requires_grad=False)
     if getattr(layer, "bias", None) is not None:
@@ -126,7 +127,12 @@ def _build_linear(layer: torch.nn.Module, remove_weight: bool, kind: str,
     _ORIG_DISPATCH(shim, remove_weight)
     if pack_kind(shim) != kind:
         raise RuntimeError(f"vLLM packed the stand-in as {pack_kind(shim)}, the layer as {kind}")
-    return functools.partial(setattr, layer, "cpu_linear", shim.cpu_linear)
+    new = shim.cpu_linear
+
+    def install():
+        old, layer.cpu_linear = layer.cpu_linear, new
+        return old
+    return install
 
 
 MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"

@@ -153,8 +153,8 @@ async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path
     paths = await _fetch(board, m1, tmp_path)
     real_write = replicas[1].write
 
-    def lying_write(apply_id, values, last=True):  # writes, reports a wrong delta (layout bug)
-        out = real_write(apply_id, values, last)
+    def lying_write(apply_id, values, last=True, staged=False):  # writes, reports a wrong delta
+        out = real_write(apply_id, values, last, staged)  # (a layout bug)
         name = next(iter(out.delta))
         out.delta[name] = (out.delta[name] + 1) & fpr.MASK64
         return out
@@ -444,11 +444,11 @@ async def test_a_bad_chunk_in_a_late_batch_undoes_the_earlier_batches(published,
     writes = []
     real_write = replicas[1].write
 
-    def counting_write(apply_id, values, last=True):
+    def counting_write(apply_id, values, last=True, staged=False):
         writes.append((apply_id, last))
         if len(writes) == 4:
             raise RuntimeError("rank 1 fails in the fourth batch")
-        return real_write(apply_id, values, last)
+        return real_write(apply_id, values, last, staged)
 
     replicas[1].write = counting_write
     with pytest.raises(RuntimeError, match="fourth batch"):

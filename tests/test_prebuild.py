@@ -8,8 +8,10 @@ for, and the model must then serve what a fresh pack of the written weights serv
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ class Tied(nn.Module):
     """embed_tokens and lm_head share one parameter; each packs its own copy, and counts how
     often it was rebuilt in place and built ahead (and on which thread)."""
 
-    def __init__(self, fail_build: bool = False):
+    def __init__(self, fail_build: bool = False, gate: threading.Event | None = None):
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(V, D)
@@ -53,10 +55,16 @@ class Tied(nn.Module):
 
             def build(sources, mod=mod, lookup=lookup):
                 self.builds.append(threading.current_thread().name)
+                if gate is not None:
+                    gate.wait(10)
                 if fail_build:
                     raise RuntimeError("packing failed")
                 fn = _packed(sources["weight"], lookup)
-                return lambda: setattr(mod, "cpu_linear", fn)
+
+                def install(mod=mod, fn=fn):
+                    old, mod.cpu_linear = mod.cpu_linear, fn
+                    return old  # the rank frees it after the pause
+                return install
 
             derived.register(mod, "toy", {"weight": w}, rebuild, holders=("cpu_linear",),
                              build=build)
@@ -118,8 +126,12 @@ def test_copies_built_ahead_are_installed_by_the_write_they_were_staged_for():
     assert staged.copies == 2 and staged.nbytes == 2 * V * D * 4 and staged.why == ""
     assert m.builds == ["stitch-prebuild"] * 2 and m.rebuilds == 0
     before = m(IDS)
+    old_copy = weakref.ref(m.lm_head.cpu_linear)
     out = rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})
+    assert old_copy() is not None  # replaced, but freed only at the commit (after the pause)
     rep.commit("a1")
+    gc.collect()
+    assert old_copy() is None
     assert out.ahead == 2 and out.rebuilt == ["lm_head", "model.embed_tokens"]
     assert m.rebuilds == 0  # installed, not rebuilt in the pause
     assert derived.stale(m) == []  # their stamps are the written weights' digests
@@ -202,3 +214,37 @@ def test_prebuild_travels_through_the_rank_rpc():
         pass
     out = rep.handle(rpc.Write("a1", {EMB: NEW.view(torch.int32).numpy()}))
     assert out.ahead == 2 and torch.equal(m(IDS), _fresh_output(m))
+
+
+def test_a_staged_write_carries_no_bits():
+    m = Tied()
+    rep = _replica(m)
+    _stage(rep)
+    out = rep.handle(rpc.Write("a1", {}, staged=True))
+    assert out.ahead == 2 and m.rebuilds == 0
+    assert m.model.embed_tokens.weight.reshape(-1)[POS.astype(np.int64)].tolist() == NEW.tolist()
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+
+
+def test_a_staged_write_without_staged_bits_is_refused():
+    m = Tied()
+    rep = _replica(m)
+    rep.gather("a1", {EMB: POS})
+    before = m.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(Exception, match="no bits staged"):
+        rep.write("a1", {}, staged=True)
+    assert torch.equal(m.model.embed_tokens.weight, before)
+
+
+def test_the_write_does_not_wait_for_a_build_still_running():
+    gate = threading.Event()
+    m = Tied(gate=gate)
+    rep = _replica(m)
+    rep.gather("a1", {EMB: POS})
+    assert rep.prebuild("a1", {EMB: NEW.view(torch.int32).numpy()}).copies == 2
+    try:
+        out = rep.write("a1", {}, staged=True)  # the first build is held at the gate
+    finally:
+        gate.set()
+    assert out.ahead == 0 and m.rebuilds == 2  # both rebuilt in the pause, none waited for
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))

@@ -10,13 +10,16 @@ from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
 
 
+@pytest.mark.parametrize("order", ["rising", "shuffled"])  # one pass / write all, then read back
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8,
                                    torch.float8_e4m3fn])
-def test_write_read_back_sum_equals_index_put_then_hash(dtype):
+def test_write_read_back_sum_equals_index_put_then_hash(dtype, order):
     g = torch.Generator().manual_seed(0)
     flat = torch.randn(5000, generator=g).to(dtype)
     ref = flat.clone()
-    eng = torch.randperm(5000, generator=g)[:700].sort().values
+    eng = torch.randperm(5000, generator=g)[:700]
+    if order == "rising":
+        eng = eng.sort().values
     hpos = eng * 3 + 11  # HF positions need not equal engine positions
     new = dtypes.int_view(torch.randn(700, generator=g).to(dtype))
     assert scatter.fused(flat, dtype, eng)
@@ -38,6 +41,17 @@ def test_the_sum_is_of_what_is_there_after_every_write():
     there = dtypes.int_view(torch.tensor([2.0, 2.0], dtype=torch.bfloat16))
     assert got == fpr.sum_at("t", hpos, there, 2)
     assert got != fpr.sum_at("t", hpos, new, 2)
+
+
+def test_a_later_write_over_an_earlier_element_shows_whatever_the_order():
+    # positions that fall and rise again (5, 2, 5): not rising, so the read-back is a second pass
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    eng = torch.tensor([5, 2, 5])
+    hpos = torch.tensor([0, 1, 2])
+    new = dtypes.int_view(torch.tensor([1.0, 3.0, 2.0], dtype=torch.bfloat16))
+    got = scatter.write_read_back_sum("t", flat, eng, new, hpos)
+    there = dtypes.int_view(torch.tensor([2.0, 3.0, 2.0], dtype=torch.bfloat16))
+    assert got == fpr.sum_at("t", hpos, there, 2) != fpr.sum_at("t", hpos, new, 2)
 
 
 @pytest.mark.parametrize("bad", [-1, 10, 1 << 40])

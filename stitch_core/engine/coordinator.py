@@ -181,10 +181,11 @@ class Coordinator(HeldState):
                 # the engine serves; the others are gathered, decoded and written in the pause
                 first = await self._prepare(patch, batches[0] if batches else [], aid, running,
                                             timing)
-                if len(batches) == 1 and self.derived_copies:
-                    await self._prebuild(aid, first, timing)
+                # a one-batch apply stages its bits on the ranks before the pause (and has them
+                # build the kernels' copies those bits change)
+                staged = len(batches) == 1 and await self._prebuild(aid, first, timing)
                 stats = await self._write(m, aid, self._each(patch, batches, first, aid, running,
-                                                             timing), fb_new)
+                                                             timing, staged), fb_new)
             finally:
                 for r in readers:
                     r.close()
@@ -274,11 +275,12 @@ class Coordinator(HeldState):
         return await asyncio.to_thread(self.decoder.values, plan, gathered, running, self.fps)
 
     async def _prebuild(self, aid: str, values: dict[str, np.ndarray],
-                        timing: dict[str, Any]) -> None:
-        """Have the ranks build the kernels' copies of weights this write will change while the
-        engine still serves (`stitch_core.engine.prebuild`), and wait until they have: the
-        pause then installs them instead of rebuilding them. Never fails the apply: a rank that
-        could not, or did not in time, rebuilds in the pause as before."""
+                        timing: dict[str, Any]) -> bool:
+        """Stage the write's bits on the ranks while the engine still serves, so that the write
+        in the pause carries none, and have them build the kernels' copies of weights those bits
+        change (`stitch_core.engine.prebuild`); wait until they have: the pause then installs
+        them instead of rebuilding them. Never fails the apply: False (the write carries the bits)
+        if a rank could not stage them; a copy not built in time is rebuilt in the pause."""
         t0 = time.perf_counter()
         try:
             replies: list[rpc.PrebuildReply] = await self.call_ranks(rpc.Prebuild(aid, values))
@@ -290,18 +292,25 @@ class Coordinator(HeldState):
                 await asyncio.sleep(PREBUILD_POLL)
                 replies = await self.call_ranks(rpc.Prebuild(aid))
         except Exception as e:  # noqa: BLE001 - the in-pause rebuild is the fallback
-            log.warning("stitch: building ahead failed (%s); the pause rebuilds", e)
-            return
+            log.warning("stitch: staging the write failed (%s); it carries its bits and the "
+                        "pause rebuilds", e)
+            return False
         timing["prebuild_s"] = time.perf_counter() - t0
         timing["prebuilt"] = max((r.copies for r in replies), default=0)
+        if timing["prebuilt"]:
+            log.info("stitch: %d kernel copies of weights built ahead of the pause in %.2f s "
+                     "(engine serving; %.0f MB of weights per rank at most)", timing["prebuilt"],
+                     timing["prebuild_s"], max(r.nbytes for r in replies) / 1e6)
+        return True
 
     async def _each(self, patch, batches, first: dict[str, np.ndarray], aid: str,
-                    running: dict[str, int], timing: dict[str, float]
-                    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
-        yield first, len(batches) <= 1
+                    running: dict[str, int], timing: dict[str, float], staged: bool = False,
+                    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool, bool]]:
+        """(new bits, last batch, staged on the ranks already) per batch."""
+        yield first, len(batches) <= 1, staged
         for i in range(1, len(batches)):
             yield (await self._prepare(patch, batches[i], aid, running, timing),
-                   i == len(batches) - 1)
+                   i == len(batches) - 1, False)
 
     def _decode_fallback(self, patch, entries) -> dict[str, torch.Tensor]:
         """Whole tensors for the engine's loader (loader fallback; outside the memory budget),
@@ -310,7 +319,7 @@ class Coordinator(HeldState):
                 for e in entries}
 
     async def _write(self, m: Manifest, aid: str,
-                     batches: AsyncIterator[tuple[dict[str, np.ndarray], bool]],
+                     batches: AsyncIterator[tuple[dict[str, np.ndarray], bool, bool]],
                      fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
         async with self.gate.applying(m.version) as handle:
             t0 = time.perf_counter()
@@ -323,16 +332,17 @@ class Coordinator(HeldState):
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
                     deltas: dict[str, int] = {}
                     rank_s = 0.0  # per batch the slowest rank, summed
-                    async for new, last in batches:  # one batch, or bounded ones (same apply id)
-                        batch_replies = await self.call_ranks(rpc.Write(aid, new, last))
+                    async for new, last, staged in batches:  # one batch, or bounded ones
+                        batch_replies = await self.call_ranks(
+                            rpc.Write(aid, {} if staged else new, last, staged))
                         for name in new:
                             deltas[name] = (deltas.get(name, 0)
                                             + sum(r.delta[name] for r in batch_replies))
                         replies.extend(batch_replies)
                         rank_s += max((r.seconds for r in batch_replies), default=0.0)
+                    target = m.fingerprints  # a dict built per access: once, not per tensor
                     for name, got in deltas.items():
-                        want = (self.mult[name] * (m.fingerprints[name] - self.fps[name])) \
-                            & fpr.MASK64
+                        want = (self.mult[name] * (target[name] - self.fps[name])) & fpr.MASK64
                         if got & fpr.MASK64 != want:
                             raise EngineStateError(
                                 f"{name}: ranks wrote a change that does not add up to the "

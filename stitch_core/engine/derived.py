@@ -74,22 +74,24 @@ class DerivedCopy:
     stamp: bytes = field(default=b"", repr=False)
     built: int = 0  # the generation of the last stamp
     # builds the copy from other source tensors ({attribute: tensor}, as `sources`) without
-    # touching the module, and returns what installs it: the copy built ahead of a pause
-    # (`stitch_core.engine.prebuild`); None: this kind is only rebuilt in place
-    build: Callable[[Mapping[str, torch.Tensor]], Callable[[], None]] | None = None
+    # touching the module, and returns what installs it (which returns what it replaced): the
+    # copy built ahead of a pause (`stitch_core.engine.prebuild`); None: only rebuilt in place
+    build: Callable[[Mapping[str, torch.Tensor]], Callable[[], object]] | None = None
     # set by the rank for one write only: a build ahead whose sources are, by construction, what
     # the write leaves in `sources` (a future of (install, stamp of those sources))
     ahead: Future | None = field(default=None, repr=False)
+    # what the last install replaced (the old copy), kept so that it is freed after the pause
+    retired: object = field(default=None, repr=False)
 
     def restamp(self) -> None:
         self.stamp = digest(self.sources.values())
         self.built = next(_GENERATIONS)
 
     def install_ahead(self) -> bool:
-        """Install the copy built ahead, if there is one and its build succeeded (it carries
-        the stamp of the sources it was built from); False: rebuild it in place."""
+        """Install the copy built ahead, if there is one and its build finished and succeeded
+        (it carries the stamp of the sources it was built from); False: rebuild it in place."""
         fut, self.ahead = self.ahead, None
-        if fut is None:
+        if fut is None or not fut.done():  # not built (yet): no waiting inside the pause
             return False
         try:
             install, stamp = fut.result()
@@ -97,7 +99,7 @@ class DerivedCopy:
             log.warning("stitch: a %s copy built ahead failed (%s: %s); rebuilt in the pause",
                         self.kind, type(e).__name__, e)
             return False
-        install()
+        self.retired = install()
         self.stamp, self.built = stamp, next(_GENERATIONS)
         return True
 
@@ -128,7 +130,7 @@ def digest(tensors: Iterable[torch.Tensor]) -> bytes:
 
 def register(module: torch.nn.Module, kind: str, sources: Mapping[str, torch.Tensor],
              rebuild: Callable[[], object], holders: Iterable[str] = (),
-             build: Callable[[Mapping[str, torch.Tensor]], Callable[[], None]] | None = None,
+             build: Callable[[Mapping[str, torch.Tensor]], Callable[[], object]] | None = None,
              ) -> DerivedCopy:
     """Record that `module` holds state of `kind` built just now from `sources` (`build`: see
     `DerivedCopy`)."""

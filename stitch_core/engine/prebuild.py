@@ -215,8 +215,11 @@ class Prebuild:
 
     def matches(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray]) -> bool:
         """Whether a write of `values` is the one staged, with nothing written since."""
-        return (apply_id == self.apply_id and writes_seen == self.writes_seen
-                and values.keys() == self.values.keys()
+        if apply_id != self.apply_id or writes_seen != self.writes_seen:
+            return False
+        if values is self.values:  # the staged bits themselves (`rpc.Write.staged`)
+            return True
+        return (values.keys() == self.values.keys()
                 and all(np.array_equal(np.asarray(values[n]).reshape(-1),
                                        np.asarray(v).reshape(-1))
                         for n, v in self.values.items()))
@@ -230,6 +233,16 @@ class Prebuild:
         for job in self.jobs:
             job.dc.ahead = None
 
+    def retire(self) -> list[object]:
+        """The old copies the installs replaced (their owners keep them until the apply is
+        committed: freeing 1 GB of packed copies takes ~30 ms, outside the pause then)."""
+        out = []
+        for job in self.jobs:
+            if job.dc.retired is not None:
+                out.append(job.dc.retired)
+                job.dc.retired = None
+        return out
+
     def installed(self, since: int) -> int:
         """How many built copies a rebuild after the mark `since` installed (their stamp)."""
         n = 0
@@ -239,6 +252,10 @@ class Prebuild:
                     and job.dc.stamp == fut.result()[1]):
                 n += 1
         return n
+
+    def stop(self) -> None:
+        """Build nothing more (the copy being built finishes; what is built stays usable)."""
+        self._cancel.set()
 
     def cancel(self) -> None:
         """Drop what is not built yet (the one building finishes) and forget the rest."""
@@ -266,6 +283,7 @@ class Stager:
         self.model, self.budget = model, int(budget)
         self.scratch = Scratch()
         self.staged: Prebuild | None = None
+        self.retired: list[object] = []  # old copies replaced by installs, freed at commit
 
     def start(self, apply_id: str, writes_seen: int, params: Mapping[str, torch.Tensor],
               plan: Mapping[str, tuple[int, list[tuple]]], values: Mapping[str, np.ndarray],
@@ -273,6 +291,11 @@ class Stager:
         self.drop()
         self.staged = start(apply_id, writes_seen, self.model, params, plan, values, hf_dtypes,
                             self.budget, self.scratch)
+
+    def values(self, apply_id: str) -> dict[str, np.ndarray] | None:
+        """The bits staged for `apply_id`'s write (None: none staged)."""
+        st = self.staged
+        return st.values if st is not None and st.apply_id == apply_id else None
 
     def status(self, apply_id: str) -> dict[str, object]:
         st = self.staged
@@ -289,12 +312,15 @@ class Stager:
         if st is None:
             return None
         if one_batch and st.matches(apply_id, writes_seen, values):
+            st.stop()  # what is not built by now is rebuilt in the pause
             return st
         st.cancel()
         return None
 
     def drop(self, apply_id: str | None = None) -> None:
-        """Drop the staged build (only if it is `apply_id`'s, when given)."""
+        """Drop the staged build (only if it is `apply_id`'s, when given) and free the copies the
+        last installs replaced."""
+        self.retired = []
         if self.staged is not None and apply_id in (None, self.staged.apply_id):
             self.staged.cancel()
             self.staged = None

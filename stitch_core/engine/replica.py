@@ -325,13 +325,18 @@ class RankReplica:
                                  float(st["seconds"]), str(st["why"]))
 
     def write(self, apply_id: str, values: Mapping[str, np.ndarray],
-              last: bool = True) -> rpc.WriteReply:
-        """Write new bits (every position of each gathered tensor, in gather order). An apply
-        written in several batches (same id) rebuilds and proves the derived copies once, with
-        its `last` batch, for every parameter any of its batches wrote (steps are held
-        throughout, so nothing reads a copy in between)."""
+              last: bool = True, staged: bool = False) -> rpc.WriteReply:
+        """Write new bits (every position of each gathered tensor, in gather order; `staged`:
+        those `prebuild` was given). An apply written in several batches (same id) rebuilds and
+        proves the derived copies once, with its `last` batch, for every parameter any of its
+        batches wrote (steps are held throughout, so nothing reads a copy in between)."""
         if apply_id != self._plan_id:
             raise ReplicaError(f"write {apply_id} without a matching gather ({self._plan_id})")
+        if staged:
+            got = self._ahead.values(apply_id)
+            if got is None:
+                raise ReplicaError(f"write {apply_id}: no bits staged for it")
+            values = got
         layout = self._layout()
         params = self._params()
         t0 = time.perf_counter()
@@ -386,6 +391,7 @@ class RankReplica:
                     if ahead is not None:
                         ahead.disarm()
                         ahead_installed = ahead.installed(mark)
+                        self._ahead.retired = ahead.retire()  # freed at commit, after the pause
                 rebuild_s = time.perf_counter() - t_r
                 # what the kernels read: every derived copy built from what was written must have
                 # been rebuilt (and stamped) since, from the bytes that are there now
@@ -498,8 +504,8 @@ class RankReplica:
                 return self.gather(aid, positions)
             case rpc.Prebuild(aid, values):
                 return self.prebuild(aid, values)
-            case rpc.Write(aid, values, last):
-                return self.write(aid, values, last)
+            case rpc.Write(aid, values, last, staged):
+                return self.write(aid, values, last, staged)
             case rpc.Undo(aid):
                 return self.undo(aid)
             case rpc.Commit(aid):

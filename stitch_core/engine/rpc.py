@@ -114,11 +114,14 @@ class GatherReply:
 @dataclass(frozen=True)
 class Write:
     """Apply `id`, step 2: new bits for every gathered position of each tensor, in gather order.
-    `last` False: more batches of this apply follow (derived copies are rebuilt with the last)."""
+    `last` False: more batches of this apply follow (derived copies are rebuilt with the last).
+    `staged`: the bits are those `Prebuild` carried (`values` is empty): nothing of their size
+    crosses the engine's channel inside the pause."""
 
     id: str
     values: dict[str, np.ndarray]
     last: bool = True
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,11 @@ class WriteReply:
 
 @dataclass(frozen=True)
 class Prebuild:
-    """Apply `id`, between gather and write, while the engine serves: the new bits the write will
-    carry (as `Write.values`). The rank starts building, off to the side, the kernels' copies of
-    weights (packed layouts) those bits will change (`stitch_core.engine.prebuild`); the write
-    installs them instead of rebuilding them in the pause. `values` None: only say how far it is."""
+    """Apply `id`, between gather and write, while the engine serves: the new bits of a one-batch
+    write, staged on the rank (the `Write` then says `staged` instead of carrying them). The rank
+    also starts building, off to the side, the kernels' copies of weights (packed layouts) those
+    bits will change (`stitch_core.engine.prebuild`); the write installs them instead of
+    rebuilding them in the pause. `values` None: only say how far the building is."""
 
     id: str
     values: dict[str, np.ndarray] | None = None

@@ -3,10 +3,15 @@
 One job, about 65 lines. `write_read_back_sum` writes served-view bits at engine positions and
 returns the partial fingerprint of what is there *afterwards* (read back after every write of the
 call), so the coordinator's check of the summed deltas proves memory, not intent. On CPU, where
-the engine keeps the served dtype, that is one numba kernel with two passes (write all, then read
-back and hash): 1.4-2.1x a bare `index_put_` of the same elements at 0.5B/1.5B shapes, where
-torch's `index_put_`, a gather back and a hash pass cost 2.0-2.5x (benchmarks/rank_write.py).
-Elsewhere (accelerators, engines that keep a wider dtype) it is those torch steps.
+the engine keeps the served dtype, that is one numba kernel. Its first pass checks the positions
+are in range and whether they strictly rise. Rising positions are distinct: no write of the call
+reaches another's element, so each element is read back and hashed right after its own write, in
+one pass (what a layout of row-major slices gives: the decoder's HF positions rise, and so do
+their engine positions). Any other order (two HF elements mapped onto one engine element, a
+transposed layout) writes everything first and reads back in a second pass, so a later write
+over an earlier one's element shows in the sum. Elsewhere (accelerators, engines that keep a
+wider dtype) it is torch's `index_put_`, a gather back and a hash pass
+(benchmarks/rank_write.py has the figures of each).
 """
 
 from __future__ import annotations
@@ -27,13 +32,24 @@ def _write_read_back_sum(flat, eng, new, hpos, seed, itemsize):  # pragma: no co
     (True, sum), or (False, 0) with nothing written if a position is out of range."""
     n = flat.shape[0]
     bad = False
+    rising = True
     for j in range(eng.shape[0]):
         bad |= (eng[j] < 0) | (eng[j] >= n)
+        if j:
+            rising &= eng[j] > eng[j - 1]
     if bad:
         return False, np.uint64(0)
+    acc = np.uint64(0)
+    if rising:
+        # distinct positions: no later write of this call reaches an earlier one's element, so
+        # what is there at the end is what is there right after its own write (one pass, while
+        # the cache line is hot)
+        for j in range(eng.shape[0]):
+            flat[eng[j]] = new[j]
+            acc += _h(np.int64(hpos[j]), np.int64(flat[eng[j]]), seed, itemsize)
+        return True, acc
     for j in range(eng.shape[0]):
         flat[eng[j]] = new[j]
-    acc = np.uint64(0)
     for j in range(eng.shape[0]):
         acc += _h(np.int64(hpos[j]), np.int64(flat[eng[j]]), seed, itemsize)
     return True, acc

@@ -7,7 +7,7 @@ partial fingerprints of what is there now (the proof). This runs that write on a
 ``load_weights``, exactly as in an engine, at Qwen2.5 shapes, and times in the same process:
 
 * **write (fused)**: `RankReplica.write` as shipped: on CPU one numba kernel per engine tensor
-  (write all, read back, hash; stitch_core.engine.scatter);
+  (write, read back, hash: one pass for rising positions; stitch_core.engine.scatter);
 * **write (torch path)**: the same write through the path accelerators and wider engine dtypes
   take (torch ``index_put_``, a gather back, a hash pass), by switching the fused kernel off;
 * **bare index_put_**: ``stitch_dev.rank_baseline``: the same elements at the same engine

@@ -367,7 +367,7 @@ class RankReplica:
                     dirty.add(pname)
                     # hash what is *there now*: the coordinator's check of the summed deltas is
                     # the read-back proof (a lost or wrong write changes the sum)
-                    if scatter.fused(flat, tm.hf_dtype, eng):  # CPU: one kernel, two passes
+                    if scatter.fused(flat, tm.hf_dtype, eng):  # CPU: one numba kernel
                         d += scatter.write_read_back_sum(name, flat, eng, new_bits, hpos) - osum
                         continue
                     scatter.write_bits(flat, eng, new_bits, tm.hf_dtype)

@@ -248,3 +248,25 @@ def test_the_write_does_not_wait_for_a_build_still_running():
         gate.set()
     assert out.ahead == 0 and m.rebuilds == 2  # both rebuilt in the pause, none waited for
     assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+
+
+def test_a_source_written_under_two_parameter_names_gets_both_writes():
+    # two parameter objects over one storage (an alias no dedup by identity catches): the copy
+    # built ahead must see the writes made through either name, or it is stale once installed
+    from stitch_core.engine import prebuild
+
+    m = Tied()
+    w = m.model.proj.weight
+    alias = nn.Parameter(w.data, requires_grad=False)
+    params = {"model.proj.weight": w, "alias.weight": alias}
+    one = (torch.tensor([1]), torch.tensor([7], dtype=torch.int32), torch.float32)
+    two = (torch.tensor([5]), torch.tensor([9], dtype=torch.int32), torch.float32)
+    jobs, nbytes, _ = prebuild._jobs(m, params, {"model.proj.weight": [one],
+                                                 "alias.weight": [two]}, 1 << 20)
+    assert len(jobs) == 1 and nbytes == D * D * 4
+    assert [e[0].item() for e in jobs[0].writes["weight"]] == [1, 5]
+    # a written view of part of the source: not built ahead (rebuilt in the pause)
+    params["alias.weight"] = nn.Parameter(w.data.view(-1)[: D], requires_grad=False)
+    part = prebuild._jobs(m, params, {"model.proj.weight": [one], "alias.weight": [two]},
+                          1 << 20)[0]
+    assert [j.dc for j in part] == []

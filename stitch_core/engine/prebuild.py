@@ -89,8 +89,11 @@ def _jobs(model: torch.nn.Module, params: Mapping[str, torch.Tensor], writes: Wr
     """The copies to build ahead (engine order, within `budget` bytes of sources), their source
     bytes, and why none when none."""
     written = {pname: params[pname] for pname in writes if pname in params}
-    by_ptr = {t.data_ptr(): pname for pname, t in written.items() if t.numel()}
-    storages = {t.untyped_storage().data_ptr() for t in written.values() if t.numel()}
+    by_storage: dict[int, list[str]] = {}  # every written parameter on each storage
+    for pname, t in written.items():
+        if t.numel():
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(pname)
+    storages = set(by_storage)
     jobs: list[_Job] = []
     total, touched, over = 0, 0, 0
     for mname, dc in derived.copies(model):
@@ -105,14 +108,15 @@ def _jobs(model: torch.nn.Module, params: Mapping[str, torch.Tensor], writes: Wr
         for attr, t in dc.sources.items():
             if not t.numel() or t.untyped_storage().data_ptr() not in storages:
                 continue
-            pname = by_ptr.get(t.data_ptr())
-            p = written.get(pname) if pname else None
-            # a source the write reaches only as the very tensor it writes (not a view of part)
-            if (p is None or p.numel() != t.numel() or p.dtype != t.dtype
-                    or not (p.is_contiguous() and t.is_contiguous())):
+            # a source the write reaches only as the very tensor it writes, under each of the
+            # parameter names it writes that storage by (never a view of part of it)
+            names = by_storage[t.untyped_storage().data_ptr()]
+            if not all(written[n].data_ptr() == t.data_ptr() and written[n].numel() == t.numel()
+                       and written[n].dtype == t.dtype and written[n].is_contiguous()
+                       and t.is_contiguous() for n in names):
                 ok = False
                 break
-            by_attr[attr] = writes[pname]
+            by_attr[attr] = [w for n in names for w in writes[n]]
         size = sum(_nbytes(t) for t in dc.sources.values())
         if not ok:
             log.debug("stitch: %s (%s) is built from part of a written tensor: rebuilt in the "

@@ -22,7 +22,9 @@ from stitch_core.engine import derived, rpc
 from stitch_core.engine.layout import engine_params
 from stitch_core.engine.replica import RankReplica
 
-V, D = 40, 8
+from .test_derived import D, V
+from .test_derived import Tied as TiedBase
+
 EMB = "model.embed_tokens.weight"
 SHAPES = {EMB: ((V, D), "F32"), "model.proj.weight": ((D, D), "F32")}
 
@@ -32,17 +34,12 @@ def _packed(source: torch.Tensor, lookup: bool = False):
     return (lambda ids: packed[ids]) if lookup else (lambda x: x @ packed.t())
 
 
-class Tied(nn.Module):
-    """embed_tokens and lm_head share one parameter; each packs its own copy, and counts how
-    often it was rebuilt in place and built ahead (and on which thread)."""
+class Tied(TiedBase):
+    """embed_tokens and lm_head share one parameter (test_derived's model); each packs its own
+    copy, and counts how often it was rebuilt in place and built ahead (and on which thread)."""
 
     def __init__(self, fail_build: bool = False, gate: threading.Event | None = None):
-        super().__init__()
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(V, D)
-        self.lm_head = nn.Module()
-        self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.proj = nn.Linear(D, D, bias=False)
+        super().__init__(register=False)
         self.rebuilds = 0
         self.builds: list[str] = []  # thread names
         for mod in (self.model.embed_tokens, self.lm_head, self.model.proj):
@@ -72,12 +69,6 @@ class Tied(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens.cpu_linear(ids)
         return self.lm_head.cpu_linear(self.model.proj.cpu_linear(h))
-
-    def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        for name, t in weights:
-            params[name].data.copy_(t)
-        return set(params)
 
 
 def _replica(m: Tied, budget: int = 1 << 20, fail_once: bool = False) -> RankReplica:

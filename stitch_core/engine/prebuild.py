@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stitch_core.engine import derived, scatter
+from stitch_core.engine import derived, rpc, scatter
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 
@@ -212,10 +212,10 @@ class Prebuild:
     def done(self) -> bool:
         return all(j.future.done() for j in self.jobs)
 
-    def status(self) -> dict[str, object]:
-        return {"copies": len(self.jobs), "nbytes": self.nbytes, "done": self.done,
-                "seconds": self.seconds if self.done else time.perf_counter() - self.t0,
-                "why": self.why}
+    def status(self) -> rpc.PrebuildReply:
+        done = self.done
+        return rpc.PrebuildReply(self.apply_id, len(self.jobs), self.nbytes, done,
+                                 self.seconds if done else time.perf_counter() - self.t0, self.why)
 
     def matches(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray]) -> bool:
         """Whether a write of `values` is the one staged, with nothing written since."""
@@ -301,11 +301,10 @@ class Stager:
         st = self.staged
         return st.values if st is not None and st.apply_id == apply_id else None
 
-    def status(self, apply_id: str) -> dict[str, object]:
+    def status(self, apply_id: str) -> rpc.PrebuildReply:
         st = self.staged
         if st is None or st.apply_id != apply_id:
-            return {"copies": 0, "nbytes": 0, "done": True, "seconds": 0.0,
-                    "why": "nothing staged for this apply"}
+            return rpc.PrebuildReply(apply_id, 0, 0, True, why="nothing staged for this apply")
         return st.status()
 
     def take(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray],

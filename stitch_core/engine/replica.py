@@ -320,9 +320,7 @@ class RankReplica:
             layout = self._layout()
             self._ahead.start(apply_id, self._writes, self._params(), self._plan, values,
                               {n: layout.tensors[n].hf_dtype for n in values})
-        st = self._ahead.status(apply_id)
-        return rpc.PrebuildReply(apply_id, int(st["copies"]), int(st["nbytes"]), bool(st["done"]),
-                                 float(st["seconds"]), str(st["why"]))
+        return self._ahead.status(apply_id)
 
     def write(self, apply_id: str, values: Mapping[str, np.ndarray],
               last: bool = True, staged: bool = False) -> rpc.WriteReply:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # the modules a publish needs are imported by `cmd_publish`: 
     import torch  # of the command line loads this module, and pays nothing for them
 
     from stitch_core.format.checkpoint import Checkpoint
+    from stitch_core.versions.manifest import Manifest
+    from stitch_trainer.publish_state import Loaded
     from stitch_trainer.publisher import Publisher
 
 __all__ = ["add_publish"]
@@ -37,22 +39,33 @@ def cmd_publish(a: argparse.Namespace) -> int:
     masters = load_all(src)
     config_dir = a.config_dir or (str(src.path) if src.is_dir else None)
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
+    state = None
     with Publisher(
         a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every,
         config_dir=config_dir, signing_key=a.sign, keep_snapshots=a.keep_snapshots,
+        keep_patch=True,
     ) as pub:
         prev = pub.published
         if prev is not None:  # diff against the run's latest
-            pub.resume_from(prev, *base_of(pub, cache, prev))
-        info = pub.publish(a.step if a.step is not None else 0, masters)
+            state = base_of(pub, cache, prev)
+            state.warm()
+            pub.resume_from(prev, state.view, state.fingerprints)
+        # the checkpoint is read from disk and never changed here: a view in its dtype is used
+        # as it is (a file mapping), not copied
+        info = pub.publish(a.step if a.step is not None else 0, masters, copy=False)
         del masters
-        pending = publish_state.begin(cache, a.run, pub.last_view)  # written while it diffs
+        # a publish from the local state moves it forward in place once the version is on the
+        # board; any other writes the whole view to a new file while the version is published
+        pending = None if state is not None and state.file is not None else \
+            publish_state.begin(cache, a.run, pub.last_view)
         try:
             m = info.result()
         except BaseException:
-            pending.abort()
+            if pending is not None:
+                pending.abort()
             raise
-        problem = pending.commit(m)
+        problem = _keep_state(cache, a.run, pub, state, m) if pending is None else \
+            pending.commit(m)
     if problem:
         print(f"stitch publish: {problem}; the next publish rebuilds its base from the board",
               file=sys.stderr)
@@ -90,12 +103,26 @@ def load_all(ck: Checkpoint) -> dict[str, torch.Tensor]:
     return {n: out[n] for n in sorted(out)}
 
 
-def base_of(pub: Publisher, cache: Path, prev: int) -> tuple[dict[str, torch.Tensor],
-                                                             dict[str, int]]:
+def _keep_state(cache: Path, run: str, pub: Publisher, state: Loaded, m: Manifest) -> str | None:
+    """Advance the local state `state` (this publish's base) to `m` in place, or, for a patch
+    that cannot be applied to its file as it is, write `m`'s whole view as the new state."""
+    from stitch_trainer import publish_state
+
+    if pub.last_patch is not None:
+        try:
+            return publish_state.advance(cache, run, state, pub.last_patch, m)
+        except publish_state.NotInPlaceError:
+            pass
+    pending = publish_state.begin(cache, run, pub.last_view)
+    return pending.commit(m)
+
+
+def base_of(pub: Publisher, cache: Path, prev: int) -> Loaded:
     """The view of the run's `latest` (`prev`) and its fingerprints, exactly as the board's
-    manifest of `prev` lists them: the local state when it holds exactly that, else `prev`
-    materialised from the board (`pull`, which proves every fingerprint). The manifest read here
-    is the only board read when the state is used: no object of any version is fetched."""
+    manifest of `prev` lists them: the local state when it holds exactly that (its `file` set:
+    the view maps it), else `prev` materialised from the board (`pull`, which proves every
+    fingerprint; no `file`). The manifest read here is the only board read when the state is
+    used: no object of any version is fetched."""
     from stitch_core.format.checkpoint import open_checkpoint
     from stitch_core.versions.materialize import pull, remove
     from stitch_core.versions.store import read_manifest
@@ -105,7 +132,7 @@ def base_of(pub: Publisher, cache: Path, prev: int) -> tuple[dict[str, torch.Ten
     m = pub.call(read_manifest(pub.board, run, prev))
     got = publish_state.load(cache, run, m)
     if isinstance(got, publish_state.Loaded):
-        return got.view, got.fingerprints
+        return got
     print(f"stitch publish: rebuilding {run} v{prev} from the board (local state: {got})",
           file=sys.stderr)
     d = cache / run / f"pulled-{prev:06d}"
@@ -113,7 +140,7 @@ def base_of(pub: Publisher, cache: Path, prev: int) -> tuple[dict[str, torch.Ten
     pulled = pub.call(pull(pub.board, run, prev, d, cache, quiet=True))
     if pulled.digest != m.digest:  # pull proved its fingerprints against this manifest
         raise ValueError(f"{run} v{prev} changed on the board while it was read")
-    return load_all(open_checkpoint(d)), pulled.fingerprints
+    return publish_state.Loaded(prev, load_all(open_checkpoint(d)), pulled.fingerprints)
 
 
 def drop_pulled(cache: Path, run: str, upto: int) -> None:

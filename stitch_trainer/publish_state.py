@@ -8,20 +8,28 @@ Layout, under the cache directory (private to the user, like the cache itself)::
                                           "size", "fingerprints"}: the commit point
         view-<token>.safetensors         the view itself (mode 0600)
 
-A state is written in two steps: the view file under a temporary name, renamed to its final name
-(`begin`, in a background thread, while the version is being published), then, once the version
-is on the board, `state.json` (temporary file, fsync, rename: `commit`); only then are older view
-files removed. A crash at any point leaves either the previous `state.json` (naming its own,
-untouched view file) or none: never a `state.json` naming a half-written file.
+A publish whose base was the state moves the state forward in place (`advance`): once the new
+version is on the board, its patch is applied to the view file through a shared mapping (the
+same apply, and the same proof, as a follower's: every tensor's fingerprint must come out as the
+manifest's), then `state.json` is rewritten (temporary file, fsync, rename) to name the new
+version. Only the changed elements are written: no second copy of the view is made. A publish
+without a usable state (or a snapshot, or a patch that adds, drops or reshapes a tensor) writes
+the whole view to a new file instead, in two steps: the view file under a temporary name,
+renamed to its final name (`begin`, in a background thread, while the version is being
+published), then `state.json` (`commit`); only then are older view files removed.
 
 Nothing in the state is trusted as it is: `load` uses it only for the version the board's
 `latest` names, only if its fingerprints and digest are the board manifest's for that version,
-and only once every tensor read back from the view file has exactly those fingerprints (and the
-manifest's names, dtypes and shapes). So a stale, damaged, truncated or foreign state, or a view
-file the disk lost after a power loss (the view file is not fsynced: this check replaces it),
-makes the caller rebuild the base from the board; it never yields a base the board does not
-hold. The fingerprint pass is the one `stitch diff` makes over its base anyway (the publisher
-then skips it: the fingerprints are handed over with the view).
+and only once every tensor read from the view file has exactly those fingerprints (and the
+manifest's names, dtypes and shapes). So a stale, damaged, truncated or foreign state, a view
+file the disk lost after a power loss (the view file is not fsynced: this check replaces it), or
+one a crash left half-advanced (its `state.json` still names the old version, whose fingerprints
+the file no longer has) makes the caller rebuild the base from the board; it never yields a base
+the board does not hold. The fingerprint pass is the one `stitch diff` makes over its base
+anyway (the publisher then skips it: the fingerprints are handed over with the view). The view
+is a mapping of the file, not a copy: two publishes of one run sharing a cache are kept apart
+by the state directory's lock while a state is read or advanced, and the board's
+compare-and-set on `latest` refuses the later of two publishes made from one base.
 """
 
 from __future__ import annotations
@@ -37,15 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from stitch_core.errors import StitchError
 from stitch_core.format import dtypes
 from stitch_core.format import fingerprint as fpr
+from stitch_core.format.checkpoint import CheckpointError, map_file, populate_writable
+from stitch_core.format.patch import PatchError, PatchReader, apply
 from stitch_core.versions.board.local import fsync_dir
 from stitch_core.versions.manifest import Manifest, check_run
 
-__all__ = ["STATE_DIR", "Loaded", "PendingState", "begin", "load", "state_dir"]
+__all__ = ["STATE_DIR", "Loaded", "PendingState", "advance", "begin", "load", "state_dir"]
 
 STATE_DIR = "published"
 STATE_FILE = "state.json"
@@ -60,11 +70,22 @@ class StateUnusableError(StitchError, ValueError):
 
 @dataclass
 class Loaded:
-    """A verified local state: the view of `version` and its fingerprints (the board's)."""
+    """A verified local state: the view of `version` (tensors over a shared mapping of its
+    `file`: `advance` writes through them) and its fingerprints (the board's)."""
 
     version: int
     view: dict[str, torch.Tensor]
     fingerprints: dict[str, int]
+    file: Path | None = None
+    _warm: threading.Thread | None = None
+
+    def warm(self) -> None:
+        """Fault the view file's pages in for writing on a background thread (`advance` writes
+        into nearly every page at ~1% changed elements), while the caller diffs against it."""
+        if self.file is not None and self._warm is None:
+            self._warm = threading.Thread(target=populate_writable, args=(self.view,),
+                                          daemon=True, name="stitch-publish-state-warm")
+            self._warm.start()
 
 
 def state_dir(cache: Path, run: str) -> Path:
@@ -96,9 +117,12 @@ def load(cache: Path, run: str, board_manifest: Manifest) -> Loaded | str:
     d = state_dir(cache, run)
     try:
         _private_dir(d, create=False)
-        return _load(d, run, board_manifest)
+        with _locked(d):  # not while another publish advances it
+            return _load(d, run, board_manifest)
     except StateUnusableError as e:
         return str(e)
+    except OSError as e:  # the lock file (a read-only cache)
+        return f"cannot lock {d} ({e.strerror})"
 
 
 def _read_doc(d: Path, run: str) -> dict:
@@ -147,8 +171,8 @@ def _load(d: Path, run: str, m: Manifest) -> Loaded:
     if size != doc["size"]:
         raise StateUnusableError(f"its view file is {size} bytes, not {doc['size']} (truncated?)")
     try:
-        view = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+        view = map_file(path, writable=True)
+    except (CheckpointError, OSError, RuntimeError) as e:  # RuntimeError: torch's mmap
         raise StateUnusableError(f"unreadable view file {path.name} ({e})") from None
     want = {t.name: t for t in m.tensors}
     if set(view) != set(want):
@@ -160,7 +184,50 @@ def _load(d: Path, run: str, m: Manifest) -> Loaded:
                 fpr.fingerprint(name, t) != fps[name]:
             raise StateUnusableError(f"its view file is damaged ({name} does not match the board's "
                                      f"v{m.version})")
-    return Loaded(m.version, view, fps)
+    return Loaded(m.version, view, fps, path)
+
+
+# ---------------------------------------------------------------- advancing in place
+
+
+class NotInPlaceError(StitchError, ValueError):
+    """A patch `advance` cannot apply to the state's file as it is (a tensor added, dropped or
+    reshaped): the caller writes the whole view instead."""
+
+
+def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> str | None:
+    """Move the state `base` (the view `patch` was made from) to `m`'s version, the version just
+    published: `patch` is applied in place to the view file and proven against `m`'s
+    fingerprints, then `state.json` names `m`. None, or why the state could not be advanced (one
+    line, for a warning: the next publish then rebuilds its base). NotInPlaceError when the patch
+    changes the file's tensor set or shapes (nothing was written)."""
+    d = state_dir(cache, run)
+    if base.file is None:
+        raise NotInPlaceError("the state is not a mapped view file")
+    if base._warm is not None:
+        base._warm.join()
+    try:
+        entries = PatchReader(patch).header.tensors
+    except PatchError as e:
+        return f"cannot advance the local state ({e})"
+    if {e.name for e in entries} != set(base.view) or any(e.kind != "patch" for e in entries):
+        raise NotInPlaceError("the patch adds, drops or reshapes a tensor")
+    if {e.name: e.target_fp for e in entries} != {t.name: t.fingerprint for t in m.tensors}:
+        return f"the patch does not make v{m.version} as the board lists it"
+    try:
+        with _locked(d):
+            doc = _read_doc(d, run)
+            if doc["version"] != base.version or doc["file"] != base.file.name:
+                return "the local state changed while this version was published"
+            try:  # proves every tensor's fingerprint (the patch's, checked above to be m's)
+                apply(base.view, patch, base_fingerprints=base.fingerprints,
+                      base_version=base.version, run=run, inplace=True)
+            except PatchError as e:  # undone: the file still holds base.version
+                return f"cannot advance the local state ({e})"
+            _write_doc(d, m, base.file)
+            return None
+    except (OSError, StateUnusableError) as e:
+        return f"cannot advance the local state in {d} ({e})"
 
 
 # ---------------------------------------------------------------- writing
@@ -205,28 +272,16 @@ class PendingState:
         self._thread.join()
         if self._error is not None or self._file is None:
             return self._error or "the local state was not written"
-        doc = {"format": FORMAT, "run": m.run, "version": m.version, "view": m.view,
-               "digest": m.digest, "file": self._file.name, "size": self._file.stat().st_size,
-               "fingerprints": {t.name: t.fingerprint for t in m.tensors}}
-        tmp = self.dir / f".{STATE_FILE}.tmp-{os.getpid()}-{self._token}"
-        committed = False
         try:
             with _locked(self.dir):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.dir / STATE_FILE)  # the commit point
-                committed = True
-                fsync_dir(self.dir)
+                try:
+                    _write_doc(self.dir, m, self._file)
+                except OSError:
+                    self.abort()
+                    raise
                 _drop_others(self.dir, keep=self._file.name)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            if not committed:
-                self.abort()
-                return f"cannot write the local state in {self.dir} ({e})"
+            return f"cannot write the local state in {self.dir} ({e})"
         return None
 
     def abort(self) -> None:
@@ -236,6 +291,29 @@ class PendingState:
             with contextlib.suppress(OSError):
                 self._file.unlink()
             self._file = None
+
+
+def _write_doc(d: Path, m: Manifest, file: Path) -> None:
+    """Make `file` (in `d`) the state of `m`'s version: `state.json` written to a temporary file,
+    fsynced, renamed over the old one (the commit point), the directory fsynced. Raises OSError
+    (the old `state.json`, if any, then still stands)."""
+    doc = {"format": FORMAT, "run": m.run, "version": m.version, "view": m.view,
+           "digest": m.digest, "file": file.name, "size": file.stat().st_size,
+           "fingerprints": {t.name: t.fingerprint for t in m.tensors}}
+    tmp = d / f".{STATE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / STATE_FILE)  # the commit point
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # committed: a failed directory sync costs a rebuild
+        fsync_dir(d)
 
 
 def begin(cache: Path, run: str, view: Mapping[str, torch.Tensor]) -> PendingState:

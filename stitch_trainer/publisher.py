@@ -96,6 +96,7 @@ class Publisher(PublisherBase):
         max_shard_bytes: int = 5 << 30,
         signing_key: str | Path | None = None,
         keep_snapshots: int | None = None,
+        keep_patch: bool = False,
     ):
         if keep_snapshots is not None and keep_snapshots < 1:
             raise ValueError(f"keep_snapshots must be at least 1 (got {keep_snapshots})")
@@ -105,6 +106,9 @@ class Publisher(PublisherBase):
         self.keep_snapshots = keep_snapshots  # None: no retention (the board keeps everything)
         self.nats_url = nats
         self.max_shard_bytes = max_shard_bytes
+        self.keep_patch = keep_patch
+        # the patch of the newest version published (with keep_patch; None after a snapshot)
+        self.last_patch: bytes | None = None
         self._spool = Path(spool_dir or tempfile.mkdtemp(prefix="stitch-publish-"))
         self._spool.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -145,14 +149,18 @@ class Publisher(PublisherBase):
         self._base = base
 
     def publish(
-        self, step: int, tensors: Mapping[str, torch.Tensor] | torch.nn.Module
+        self, step: int, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, *,
+        copy: bool = True,
     ) -> VersionInfo:
+        """Number the next version and queue it (see the module docstring). `copy=False`: the
+        caller never changes `tensors` again (e.g. a checkpoint read from disk), so masters
+        already in the served dtype are published as they are, not copied."""
         if self._closed:
             raise RuntimeError("publisher is closed")
         t0 = time.perf_counter()
         masters = named_tensors(tensors)
         with torch.no_grad():
-            view = project(masters, self.view, previous=self._prev_view)
+            view = project(masters, self.view, previous=self._prev_view, copy=copy)
         view = {k: v.to("cpu", non_blocking=True) for k, v in view.items()}
         if any(v.device.type != "cpu" for v in masters.values()):
             torch.cuda.synchronize()
@@ -294,6 +302,8 @@ class Publisher(PublisherBase):
         info.kind, info.parent = kind, m.parent
         await write_version(self.board, m, files, expected_latest=self._published,
                             signer=self.signer)
+        if self.keep_patch:
+            self.last_patch = files["patch.stp"].read_bytes() if "patch.stp" in files else None
         self._published = info.version
         self._base = (info.version, view, fps)
         await self.announce(m)

@@ -22,10 +22,12 @@ from safetensors.torch import load_file, save_file
 
 import stitch_core.versions.materialize as materialize
 from stitch_core.cli.main import main
+from stitch_core.format import codec
+from stitch_core.format.codec import CodecError
 from stitch_core.versions.board import BoardError, LocalBoard
 from stitch_core.versions.store import read_manifest
 from stitch_trainer import publish_state
-from stitch_trainer.publish_state import Loaded, begin, load, state_dir
+from stitch_trainer.publish_state import Loaded, NotInPlaceError, advance, begin, load, state_dir
 
 RUN = "ps"
 NAMES = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)] + ["model.norm.weight"]
@@ -121,6 +123,89 @@ def test_the_state_is_used_and_nothing_is_pulled(env, capsys):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
     assert same(load_file(view_file(env.cache)), view(3))
     assert not list((env.cache / RUN).glob("pulled-*"))
+
+
+def test_the_state_advances_in_place(env, capsys):
+    """A publish from the state writes the changed elements into the same view file (no second
+    copy of the view), which then is exactly the new version."""
+    env.publish(0, capsys=capsys)
+    f = view_file(env.cache)
+    inode = f.stat().st_ino
+    for step in (1, 2):
+        _, body, err = env.publish(step, capsys=capsys)
+        assert body["kind"] == "patch" and "rebuilding" not in err and "local state" not in err
+        assert view_file(env.cache) == f and f.stat().st_ino == inode  # the same file
+        assert state_doc(env.cache)["version"] == step
+        assert same(load_file(f), view(step))
+        assert isinstance(load(env.cache, RUN, env.manifest(step)), Loaded)
+    assert env.pulled == []
+
+
+def test_a_new_tensor_writes_the_whole_state_anew(env, capsys, tmp_path):
+    """A patch that adds a tensor cannot be applied to the state's file: the whole view is
+    written to a new file, and the next publish uses it."""
+    env.publish(0, capsys=capsys)
+    first = view_file(env.cache)
+    src = tmp_path / "grown.safetensors"
+    save_file(masters(1) | {"lm_head.bias": torch.zeros(8)}, src)
+    assert main(["publish", str(env.board), str(src), "--run", RUN, "--cache-dir",
+                 str(env.cache), "--json"]) == 0
+    capsys.readouterr()
+    assert view_file(env.cache) != first and not first.exists()
+    assert set(load_file(view_file(env.cache))) == set(NAMES) | {"lm_head.bias"}
+    assert isinstance(load(env.cache, RUN, env.manifest(1)), Loaded)
+    save_file(masters(2) | {"lm_head.bias": torch.ones(8)}, src)
+    assert main(["publish", str(env.board), str(src), "--run", RUN, "--cache-dir",
+                 str(env.cache)]) == 0
+    assert "rebuilding" not in capsys.readouterr().err and env.pulled == []
+
+
+def _patch(board: Path, version: int) -> bytes:
+    return (board / RUN / "versions" / f"{version:06d}" / "patch.stp").read_bytes()
+
+
+def test_advance_refuses_a_patch_that_is_not_the_boards_version(env, capsys, tmp_path,
+                                                                monkeypatch):
+    """`advance` writes nothing for a patch whose result the manifest does not list, nor for a
+    damaged one, and undoes what it wrote when the apply fails half-way: the state then still
+    holds its version, still proven."""
+    for step in range(3):
+        env.publish(step, capsys=capsys, cache=tmp_path / "other")
+    m1, m2 = env.manifest(1), env.manifest(2)
+    assert begin(env.cache, RUN, view(1)).commit(m1) is None  # this cache holds the board's v1
+    base = load(env.cache, RUN, m1)
+    assert isinstance(base, Loaded)
+    patch = _patch(env.board, 2)
+    assert "does not make v1" in advance(env.cache, RUN, base, patch, m1)
+    bad = bytearray(patch)
+    bad[100] ^= 0x5A
+    assert "checksum" in advance(env.cache, RUN, base, bytes(bad), m2)
+    real, calls = codec.apply_cpu, []
+
+    def fails_third(*a, **kw):  # the third tensor's decode fails: two were written
+        calls.append(1)
+        if len(calls) == 3:
+            raise CodecError("corrupt entropy-coded stream")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(codec, "apply_cpu", fails_third)
+    why = advance(env.cache, RUN, base, patch, m2)
+    assert why and "corrupt patch data" in why and len(calls) == 3, why
+    assert state_doc(env.cache)["version"] == 1
+    assert isinstance(load(env.cache, RUN, m1), Loaded)  # undone: still v1, still proven
+    monkeypatch.setattr(codec, "apply_cpu", real)
+    assert advance(env.cache, RUN, load(env.cache, RUN, m1), patch, m2) is None
+    assert same(load(env.cache, RUN, m2).view, view(2))
+
+
+def test_advance_needs_the_same_tensors(env, capsys):
+    env.publish(0, capsys=capsys)
+    env.publish(1, capsys=capsys)
+    base = load(env.cache, RUN, env.manifest(1))
+    fewer = Loaded(base.version, {k: v for k, v in base.view.items() if k != NAMES[0]},
+                   base.fingerprints, base.file)
+    with pytest.raises(NotInPlaceError):
+        advance(env.cache, RUN, fewer, _patch(env.board, 1), env.manifest(1))
 
 
 def test_a_stale_state_is_rebuilt_from_the_board(env, capsys, tmp_path):
@@ -302,3 +387,51 @@ def test_a_failed_publish_commits_no_state(env, capsys, monkeypatch):
     assert [p.name for p in state_dir(env.cache, RUN).glob("view-*")] == [before["file"]]
     got = publish_state.load(env.cache, RUN, env.manifest(0))
     assert isinstance(got, Loaded) and same(got.view, view(0))
+
+
+ADVANCE_CHILD = r"""
+import os, sys
+from pathlib import Path
+from stitch_core.format import codec
+from stitch_core.versions.manifest import Manifest
+import stitch_trainer.publish_state as ps
+
+cache, patch, m1, m2 = sys.argv[1:5]
+m1, m2 = (Manifest.model_validate_json(Path(p).read_text()) for p in (m1, m2))
+real, calls = codec.apply_cpu, []
+
+def dies_third(*a, **kw):  # killed while decoding the third tensor: two are written
+    calls.append(1)
+    if len(calls) == 3:
+        os._exit(9)
+    return real(*a, **kw)
+
+codec.apply_cpu = dies_third
+base = ps.load(Path(cache), m1.run, m1)
+assert isinstance(base, ps.Loaded), base
+ps.advance(Path(cache), m1.run, base, Path(patch).read_bytes(), m2)
+os._exit(0)
+"""
+
+
+def test_a_crash_mid_advance_leaves_a_state_that_is_not_trusted(env, capsys, tmp_path):
+    """Killed while the state's file is half-advanced: `state.json` still names the old version,
+    whose fingerprints the file no longer has, so the next publish rebuilds from the board."""
+    env.publish(0, capsys=capsys)
+    env.publish(1, capsys=capsys)
+    env.publish(2, cache=tmp_path / "other", capsys=capsys)  # v2's patch, made elsewhere
+    for v in (1, 2):
+        (tmp_path / f"m{v}.json").write_text(env.manifest(v).model_dump_json())
+    r = subprocess.run([sys.executable, "-c", ADVANCE_CHILD, str(env.cache),
+                        str(env.board / RUN / "versions" / "000002" / "patch.stp"),
+                        str(tmp_path / "m1.json"), str(tmp_path / "m2.json")],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 9, r.stderr  # died half-way, for real
+    assert state_doc(env.cache)["version"] == 1
+    got = load(env.cache, RUN, env.manifest(1))
+    assert isinstance(got, str) and "damaged" in got, got  # the file is no longer v1
+    assert isinstance(load(env.cache, RUN, env.manifest(2)), str)  # nor claimed as v2
+    _, body, err = env.publish(3, capsys=capsys)
+    assert "rebuilding ps v2 from the board" in err and env.pulled == [1, 2], err
+    assert body["version"] == 3 and same(env.board_view(), view(3))
+    assert isinstance(load(env.cache, RUN, env.manifest(3)), Loaded)

@@ -308,3 +308,20 @@ def test_projection_is_idempotent_under_pinning(rows, cols, gran, log_mag, seed,
         assert same_bits(again[name], first[name]), name
     assert not torch.isnan(first["m.w.weight"].float()).any()
     assert view_changed_scales(first, again) == {scale_name("m.w.weight", gran): 0}
+
+
+def test_project_without_copy_keeps_masters_already_in_the_served_dtype():
+    """copy=False (a checkpoint read from disk): a master in the served dtype is the view's
+    tensor itself; others are cast or copied as with copy=True, which never aliases."""
+    g = torch.Generator().manual_seed(0)
+    m = {"a.weight": torch.randn(8, 4, generator=g).bfloat16(),
+         "b.weight": torch.randn(8, 4, generator=g),
+         "c.weight": torch.randn(4, 8, generator=g).bfloat16().t(),  # not contiguous
+         "d.idx": torch.arange(5)}
+    shared = project(m, "bf16", copy=False)
+    assert shared["a.weight"] is m["a.weight"] and shared["d.idx"] is m["d.idx"]
+    assert shared["b.weight"].dtype == torch.bfloat16
+    assert shared["c.weight"].is_contiguous() and torch.equal(shared["c.weight"], m["c.weight"])
+    copied = project(m, "bf16")
+    for k, t in copied.items():
+        assert t.data_ptr() != m[k].data_ptr() and torch.equal(t, shared[k])

@@ -146,3 +146,86 @@ def replace(tmp: Path, out: Path, force: bool) -> None:
             raise FileExistsError(f"{out} exists (use --force to replace it)")
         remove(out)
     os.replace(tmp, out)
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def map_file(path: str | os.PathLike, *, writable: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file as a view of one mapping of the file: nothing is
+    read until used, nothing is copied. With `writable` the mapping is shared, so a write into a
+    tensor writes the file (the caller must own the file and stop using the tensors before it
+    changes size). Raises CheckpointError for a header that does not describe the file's bytes
+    (offsets outside the data, overlapping or misaligned tensors, sizes that do not match).
+
+    Written by hand, not with `safe_open`: safetensors gives copies or private read-only maps,
+    and `stitch publish` updates its local state in place (`stitch_trainer.publish_state`)."""
+    from stitch_core.format import dtypes
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(f"{path.name}: not a safetensors file (header size {n})")
+            doc = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path.name}: unreadable safetensors header ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path.name}: unreadable safetensors header")
+    start, data = 8 + n, size - 8 - n
+    spans: list[tuple[int, int, str, torch.dtype, list[int]]] = []
+    for name, e in doc.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = dtypes.info(e["dtype"])
+            shape = [int(d) for d in e["shape"]]
+            a, b = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path.name}: bad header entry for {name!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(shape, default=0) < 0 or not 0 <= a <= b <= data or b - a != numel * dt.itemsize \
+                or (start + a) % dt.itemsize:
+            raise CheckpointError(f"{path.name}: {name} does not lie in the file as its header "
+                                  "says")
+        spans.append((a, b, name, dt.torch_dtype, shape))
+    spans.sort()
+    for (_, b, x, *_), (a, _, y, *_) in zip(spans, spans[1:], strict=False):
+        if a < b:
+            raise CheckpointError(f"{path.name}: {x} and {y} overlap")
+    storage = torch.UntypedStorage.from_file(str(path), shared=writable, nbytes=size)
+    out: dict[str, torch.Tensor] = {}
+    for a, _, name, dtype, shape in spans:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        out[name] = torch.empty(0, dtype=dtype).set_(storage, (start + a) // itemsize, shape)
+    return out
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def populate_writable(tensors: dict[str, torch.Tensor]) -> bool:
+    """Fault in the pages of `map_file(..., writable=True)`'s mapping for writing, ahead of the
+    writes (one madvise call instead of a fault per page as a write first touches it; on a file
+    whose every page will be written, as a publish state at ~1% changed elements, it moves that
+    cost off the writer's path). The bytes are unchanged. False where the kernel cannot (not
+    Linux, older than 5.14)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if sys.platform != "linux" or not tensors:
+        return False
+    storage = next(iter(tensors.values())).untyped_storage()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ptr = storage.data_ptr()
+    base = ptr & ~(os.sysconf("SC_PAGE_SIZE") - 1)
+    return libc.madvise(base, storage.nbytes() + ptr - base, _MADV_POPULATE_WRITE) == 0

@@ -158,18 +158,32 @@ def _copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.to(dtype=dtype or t.dtype, copy=True, memory_format=torch.contiguous_format)
 
 
+def _same(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` itself when it already is what `_copy` would make, else that copy."""
+    if (dtype is None or t.dtype == dtype) and t.is_contiguous():
+        return t
+    return _copy(t, dtype)
+
+
 def project(
     masters: Mapping[str, torch.Tensor],
     view: str | View,
     previous: Mapping[str, torch.Tensor] | None = None,
+    *,
+    copy: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The served view of ``masters``; for fp8 and fp4, scales are pinned to ``previous``'s."""
+    """The served view of ``masters``; for fp8 and fp4, scales are pinned to ``previous``'s.
+
+    With ``copy=False`` a master already in its served dtype (and contiguous) is the view's
+    tensor itself, not a copy: for masters nobody changes afterwards (a checkpoint read from
+    disk), never for a model that keeps training."""
     v = parse_view(view)
+    keep = _copy if copy else _same
     out: dict[str, torch.Tensor] = {}
     fp4: dict[str, torch.Tensor] = {}  # projected together: nvfp4 fused layers share a scale
     for name, t in masters.items():
         if not t.is_floating_point():
-            out[name] = _copy(t)
+            out[name] = keep(t)
         elif v.kind == "fp8-e4m3" and is_quantized_weight(name, t):
             sname = scale_name(name, v.granularity)
             prev = previous.get(sname) if previous is not None else None
@@ -177,7 +191,7 @@ def project(
         elif v.kind in FP4_KINDS and is_quantized_weight(name, t) and t.shape[1] % 2 == 0:
             fp4[name] = t
         else:
-            out[name] = _copy(t, _CAST.get(v.kind, torch.bfloat16))
+            out[name] = keep(t, _CAST.get(v.kind, torch.bfloat16))
     if fp4:
         out.update(project_fp4(fp4, v.kind, v.block, v.headroom, previous))
     return out

@@ -32,40 +32,14 @@ def cmd_publish(a: argparse.Namespace) -> int:
     else `latest` materialised from the board (said on stderr)."""
     from stitch_core.format.checkpoint import open_checkpoint
     from stitch_core.versions.materialize import default_cache_dir
-    from stitch_trainer import publish_state
-    from stitch_trainer.publisher import Publisher
+    from stitch_trainer.publisher import BaseProofError
 
     src = open_checkpoint(a.src)
-    masters = load_all(src)
-    config_dir = a.config_dir or (str(src.path) if src.is_dir else None)
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
-    state = None
-    with Publisher(
-        a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every,
-        config_dir=config_dir, signing_key=a.sign, keep_snapshots=a.keep_snapshots,
-        keep_patch=True,
-    ) as pub:
-        prev = pub.published
-        if prev is not None:  # diff against the run's latest
-            state = base_of(pub, cache, prev)
-            state.warm()
-            pub.resume_from(prev, state.view, state.fingerprints)
-        # the checkpoint is read from disk and never changed here: a view in its dtype is used
-        # as it is (a file mapping), not copied
-        info = pub.publish(a.step if a.step is not None else 0, masters, copy=False)
-        del masters
-        # a publish from the local state moves it forward in place once the version is on the
-        # board; any other writes the whole view to a new file while the version is published
-        pending = None if state is not None and state.file is not None else \
-            publish_state.begin(cache, a.run, pub.last_view)
-        try:
-            m = info.result()
-        except BaseException:
-            if pending is not None:
-                pending.abort()
-            raise
-        problem = _keep_state(cache, a.run, pub, state, m) if pending is None else \
-            pending.commit(m)
+    try:
+        m, prev, problem = _publish(a, src, cache)
+    except BaseProofError as e:  # the local state's deferred proof failed: nothing uploaded
+        m, prev, problem = _publish(a, src, cache, state_problem=str(e.__cause__))
     if problem:
         print(f"stitch publish: {problem}; the next publish rebuilds its base from the board",
               file=sys.stderr)
@@ -94,6 +68,48 @@ def cmd_publish(a: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(a: argparse.Namespace, src: Checkpoint, cache: Path,
+             state_problem: str | None = None) -> tuple[Manifest, int | None, str | None]:
+    """One publish of `src`: (its manifest, the version it was made from, why the local state
+    could not be kept or None). The base is the local state if it is the board's `latest` (its
+    proof runs while the patch is made, and fails the publish before anything is uploaded:
+    StateUnusableError), else `latest` rebuilt from the board; `state_problem`: the state is
+    not used (why, for the message)."""
+    from stitch_trainer import publish_state
+    from stitch_trainer.publisher import Publisher
+
+    masters = load_all(src)
+    config_dir = a.config_dir or (str(src.path) if src.is_dir else None)
+    state = None
+    with Publisher(
+        a.board, a.run, a.view, nats=a.nats, snapshot_every=a.snapshot_every,
+        config_dir=config_dir, signing_key=a.sign, keep_snapshots=a.keep_snapshots,
+        keep_patch=True,
+    ) as pub:
+        prev = pub.published
+        if prev is not None:  # diff against the run's latest
+            state = base_of(pub, cache, prev, state_problem)
+            state.warm()
+            pub.resume_from(prev, state.view, state.fingerprints, proof=state.prove)
+        # the checkpoint is read from disk and never changed here: a view in its dtype is used
+        # as it is (a file mapping), not copied
+        info = pub.publish(a.step if a.step is not None else 0, masters, copy=False)
+        del masters
+        # a publish from the local state moves it forward in place once the version is on the
+        # board; any other writes the whole view to a new file while the version is published
+        pending = None if state is not None and state.file is not None else \
+            publish_state.begin(cache, a.run, pub.last_view)
+        try:
+            m = info.result()
+        except BaseException:
+            if pending is not None:
+                pending.abort()
+            raise
+        problem = _keep_state(cache, a.run, pub, state, m) if pending is None else \
+            pending.commit(m)
+    return m, prev, problem
+
+
 def load_all(ck: Checkpoint) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, in name order, each shard file opened once."""
     out: dict[str, torch.Tensor] = {}
@@ -117,12 +133,13 @@ def _keep_state(cache: Path, run: str, pub: Publisher, state: Loaded, m: Manifes
     return pending.commit(m)
 
 
-def base_of(pub: Publisher, cache: Path, prev: int) -> Loaded:
+def base_of(pub: Publisher, cache: Path, prev: int, state_problem: str | None = None) -> Loaded:
     """The view of the run's `latest` (`prev`) and its fingerprints, exactly as the board's
-    manifest of `prev` lists them: the local state when it holds exactly that (its `file` set:
-    the view maps it), else `prev` materialised from the board (`pull`, which proves every
-    fingerprint; no `file`). The manifest read here is the only board read when the state is
-    used: no object of any version is fetched."""
+    manifest of `prev` lists them: the local state when it holds exactly that and
+    `state_problem` is None (its `file` set: the view maps it; its proof deferred), else `prev`
+    materialised from the board (`pull`, which proves every fingerprint; no `file`). The
+    manifest read here is the only board read when the state is used: no object of any version
+    is fetched."""
     from stitch_core.format.checkpoint import open_checkpoint
     from stitch_core.versions.materialize import pull, remove
     from stitch_core.versions.store import read_manifest
@@ -130,7 +147,8 @@ def base_of(pub: Publisher, cache: Path, prev: int) -> Loaded:
 
     run = pub.run
     m = pub.call(read_manifest(pub.board, run, prev))
-    got = publish_state.load(cache, run, m)
+    # the state's proof runs while the patch is made (`Loaded.prove`, before any upload)
+    got = state_problem or publish_state.load(cache, run, m, defer_proof=True)
     if isinstance(got, publish_state.Loaded):
         return got
     print(f"stitch publish: rebuilding {run} v{prev} from the board (local state: {got})",

@@ -26,10 +26,9 @@ file the disk lost after a power loss (the view file is not fsynced: this check 
 one a crash left half-advanced (its `state.json` still names the old version, whose fingerprints
 the file no longer has) makes the caller rebuild the base from the board; it never yields a base
 the board does not hold. The fingerprint pass is the one `stitch diff` makes over its base
-anyway (the publisher then skips it: the fingerprints are handed over with the view). The view
-is a mapping of the file, not a copy: two publishes of one run sharing a cache are kept apart
-by the state directory's lock while a state is read or advanced, and the board's
-compare-and-set on `latest` refuses the later of two publishes made from one base.
+anyway (run while the patch is made: `defer_proof`). Two publishes of one run sharing a cache
+take the directory's lock to read or advance a state; the board's compare-and-set on `latest`
+refuses the later of two made from one base.
 """
 
 from __future__ import annotations
@@ -78,6 +77,25 @@ class Loaded:
     fingerprints: dict[str, int]
     file: Path | None = None
     _warm: threading.Thread | None = None
+    _proof: threading.Thread | None = None  # a deferred proof (`load(..., defer_proof=True)`)
+    _bad: str | None = None
+
+    def prove(self) -> None:
+        """Wait for the deferred proof of the view's fingerprints; StateUnusableError if the view
+        file does not hold them (then nothing made from it may reach the board). Returns at
+        once for a state proven when loaded."""
+        if self._proof is not None:
+            self._proof.join()
+        if self._bad is not None:
+            raise StateUnusableError(self._bad)
+
+    def _check(self, manifest: Manifest) -> None:
+        try:
+            _prove(self.view, manifest)
+        except StateUnusableError as e:
+            self._bad = str(e)
+        except BaseException as e:  # noqa: BLE001 - a failed proof is no proof
+            self._bad = f"its view file could not be read ({e})"
 
     def warm(self) -> None:
         """Fault the view file's pages in for writing on a background thread (`advance` writes
@@ -108,17 +126,28 @@ def _private_dir(d: Path, create: bool) -> None:
         os.chmod(d, 0o700)
 
 
-# ---------------------------------------------------------------- reading
-
-
-def load(cache: Path, run: str, board_manifest: Manifest) -> Loaded | str:
+def load(cache: Path, run: str, board_manifest: Manifest, *,
+         defer_proof: bool = False) -> Loaded | str:
     """The local state of `run` if it holds exactly `board_manifest`'s version (read from the
-    board: the run's `latest`), else the reason it cannot be used (one line)."""
+    board: the run's `latest`), else the reason it cannot be used (one line).
+
+    The proof (every tensor's fingerprint read from the view file) is a pass over the whole
+    view; `defer_proof=True` runs it on a background thread and returns once the cheap checks
+    pass (the state's record, the file's size, header, names, dtypes and shapes), so the caller
+    can diff against the view meanwhile: it must call `Loaded.prove()` before anything made
+    from the view leaves the process."""
     d = state_dir(cache, run)
     try:
         _private_dir(d, create=False)
         with _locked(d):  # not while another publish advances it
-            return _load(d, run, board_manifest)
+            got = _load(d, run, board_manifest)
+            if not defer_proof:
+                _prove(got.view, board_manifest)
+                return got
+        got._proof = threading.Thread(target=got._check, args=(board_manifest,), daemon=True,
+                                      name="stitch-publish-state-proof")
+        got._proof.start()
+        return got
     except StateUnusableError as e:
         return str(e)
     except OSError as e:  # the lock file (a read-only cache)
@@ -177,14 +206,20 @@ def _load(d: Path, run: str, m: Manifest) -> Loaded:
     want = {t.name: t for t in m.tensors}
     if set(view) != set(want):
         raise StateUnusableError(f"its view file does not list v{m.version}'s tensors")
+    for name, t in view.items():
+        if dtypes.info(t.dtype).name != want[name].dtype or list(t.shape) != want[name].shape:
+            raise StateUnusableError(f"its view file is damaged ({name} is not v{m.version}'s "
+                                     "dtype and shape)")
+    return Loaded(m.version, view, m.fingerprints, path)
+
+
+def _prove(view: Mapping[str, torch.Tensor], m: Manifest) -> None:
+    """Every tensor of `view` has `m`'s fingerprint; StateUnusableError otherwise."""
     fps = m.fingerprints
     for name, t in view.items():
-        w = want[name]
-        if dtypes.info(t.dtype).name != w.dtype or list(t.shape) != w.shape or \
-                fpr.fingerprint(name, t) != fps[name]:
+        if fpr.fingerprint(name, t) != fps[name]:
             raise StateUnusableError(f"its view file is damaged ({name} does not match the board's "
                                      f"v{m.version})")
-    return Loaded(m.version, view, fps, path)
 
 
 # ---------------------------------------------------------------- advancing in place
@@ -206,6 +241,10 @@ def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> s
         raise NotInPlaceError("the state is not a mapped view file")
     if base._warm is not None:
         base._warm.join()
+    try:
+        base.prove()
+    except StateUnusableError as e:
+        return str(e)
     try:
         entries = PatchReader(patch).header.tensors
     except PatchError as e:

@@ -19,12 +19,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from stitch_core.errors import StitchError
 from stitch_core.format import fingerprint as fpr
 from stitch_core.format.patch import PatchBuilder
 from stitch_core.format.views import project
@@ -36,7 +37,12 @@ from stitch_core.versions.store import object_ref, write_version
 from .base import SIDE_FILES, PublisherBase, rows_of, shard_names
 
 log = logging.getLogger("stitch.publisher")
-__all__ = ["Publisher", "VersionInfo", "named_tensors", "SIDE_FILES"]
+__all__ = ["BaseProofError", "Publisher", "VersionInfo", "named_tensors", "SIDE_FILES"]
+
+
+class BaseProofError(StitchError, RuntimeError):
+    """The proof given to `resume_from` failed: the version made from that base was not
+    uploaded (the cause is chained)."""
 
 
 @dataclass
@@ -137,16 +143,20 @@ class Publisher(PublisherBase):
         return self._prev_view
 
     def resume_from(self, version: int, view: Mapping[str, torch.Tensor],
-                    fingerprints: Mapping[str, int]) -> None:
+                    fingerprints: Mapping[str, int], *,
+                    proof: Callable[[], None] | None = None) -> None:
         """Continue a run whose `latest` is `version` with this view: the next publish is a patch
-        against it (and fp8 scales stay pinned to it)."""
+        against it (and fp8 scales stay pinned to it). `proof`, when the view's `fingerprints`
+        are still being checked (e.g. on another thread while the patch is made): called before
+        the patch goes to the board; raising stops that publish (nothing is uploaded)."""
         if self._published != version:
             raise ValueError(f"board latest is {self._published}, not {version}")
         self._prev_view = dict(view)
-        self._call(self._set_base((version, dict(view), dict(fingerprints))))
+        self._call(self._set_base((version, dict(view), dict(fingerprints)), proof))
 
-    async def _set_base(self, base) -> None:
+    async def _set_base(self, base, proof: Callable[[], None] | None = None) -> None:
         self._base = base
+        self._base_proof = proof
 
     def publish(
         self, step: int, tensors: Mapping[str, torch.Tensor] | torch.nn.Module, *,
@@ -212,8 +222,11 @@ class Publisher(PublisherBase):
                 if self.keep_snapshots is not None and m.kind == "snapshot":
                     self._call(self._gc())
             except BaseException as e:  # the next version becomes a snapshot from scratch
-                log.error("publishing %s v%d failed: %s", self.run, info.version, e)
-                self._base = None
+                if isinstance(e, BaseProofError):  # the caller decides (e.g. another base)
+                    log.warning("%s", e)
+                else:
+                    log.error("publishing %s v%d failed: %s", self.run, info.version, e)
+                self._base, self._base_proof = None, None
                 info.future.set_exception(e)
 
     async def _gc(self) -> None:
@@ -231,6 +244,7 @@ class Publisher(PublisherBase):
 
     async def _init(self):
         self._base: tuple[int, dict[str, torch.Tensor], dict[str, int]] | None = None
+        self._base_proof: Callable[[], None] | None = None
         if self.nats_url:
             await self.connect_nats(self.nats_url, f"stitch-publisher-{self.run}")
         return await self.board.read_latest(self.run)
@@ -297,6 +311,13 @@ class Publisher(PublisherBase):
                         else "side",
                     )
                 )
+        if base is not None and self._base_proof is not None:  # the base is what it claims
+            try:
+                await asyncio.to_thread(self._base_proof)
+            except Exception as e:
+                raise BaseProofError(f"{self.run} v{info.version} not published: its base "
+                                     f"v{base[0]} did not prove ({e})") from e
+            self._base_proof = None
         m = self.build_manifest(version=info.version, parent=parent, kind=kind, step=info.step,
                                 rows=rows_of(view, fps), objects=objects, changed=changed)
         info.kind, info.parent = kind, m.parent

@@ -252,9 +252,11 @@ def test_a_damaged_state_is_rebuilt_not_trusted(env, capsys, damage):
     m2 = env.manifest(2)
     assert isinstance(load(env.cache, RUN, m2), str)
     _, body, err = env.publish(3, capsys=capsys)
+    print(err)
     assert "rebuilding ps v2 from the board (local state:" in err, err
-    assert env.pulled == [2] and body["kind"] == "patch"
+    assert env.pulled == [2] and body["kind"] == "patch" and body["version"] == 3
     assert same(env.board_view(), view(3))  # the patch was made against the board's v2
+    assert env.manifest(3).parent == 2
     assert isinstance(load(env.cache, RUN, env.manifest(3)), Loaded)  # a good state again
 
 
@@ -435,3 +437,23 @@ def test_a_crash_mid_advance_leaves_a_state_that_is_not_trusted(env, capsys, tmp
     assert "rebuilding ps v2 from the board" in err and env.pulled == [1, 2], err
     assert body["version"] == 3 and same(env.board_view(), view(3))
     assert isinstance(load(env.cache, RUN, env.manifest(3)), Loaded)
+
+
+def test_a_base_that_fails_its_proof_uploads_nothing(env, capsys):
+    """`Publisher.resume_from(..., proof=)`: a base still being proven when the patch is made;
+    a failed proof stops that version before any object reaches the board."""
+    from stitch_trainer.publisher import BaseProofError, Publisher
+
+    env.publish(0, capsys=capsys)
+    before = sorted(p.relative_to(env.board) for p in env.board.rglob("*"))
+
+    def fails() -> None:
+        raise publish_state.StateUnusableError("its view file is damaged (test)")
+
+    with Publisher(str(env.board), RUN) as pub:
+        pub.resume_from(0, view(0), {t.name: int(t.fingerprint, 16)
+                                     for t in env.manifest(0).tensors}, proof=fails)
+        info = pub.publish(1, masters(1))
+        with pytest.raises(BaseProofError, match="v1 not published: its base v0 did not prove"):
+            info.result()
+    assert sorted(p.relative_to(env.board) for p in env.board.rglob("*")) == before

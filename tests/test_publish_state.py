@@ -457,3 +457,41 @@ def test_a_base_that_fails_its_proof_uploads_nothing(env, capsys):
         with pytest.raises(BaseProofError, match="v1 not published: its base v0 did not prove"):
             info.result()
     assert sorted(p.relative_to(env.board) for p in env.board.rglob("*")) == before
+
+
+def test_two_publishes_sharing_a_cache_never_publish_a_wrong_version(env, capsys, tmp_path):
+    """Two `stitch publish` processes of one run, one cache, one board, at once: whichever
+    interleaving happens, every version on the board is exactly a checkpoint that was published,
+    and the cache's state is the board's latest or is rebuilt, never a wrong base."""
+    env.publish(0, capsys=capsys)
+    env.publish(1, capsys=capsys)
+    srcs = []
+    for step in (2, 3):
+        src = tmp_path / f"m{step}.safetensors"
+        save_file(masters(step), src)
+        srcs.append(src)
+    procs = [subprocess.Popen([sys.executable, "-m", "stitch_core.cli", "publish", str(env.board),
+                               str(src), "--run", RUN, "--cache-dir", str(env.cache), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1]) for src in srcs]
+    outs = [p.communicate(timeout=120) for p in procs]
+    done = {json.loads(o)["version"]: step for (o, _), p, step in zip(outs, procs, (2, 3),
+                                                                      strict=True)
+            if p.returncode == 0}
+    assert done, outs  # at least one landed; a loser failed on the board's compare-and-set
+    for (o, e), p in zip(outs, procs, strict=True):
+        assert p.returncode == 0 or "stitch: error:" in e, (o, e)
+    for version, step in done.items():
+        assert version in (2, 3)
+        got = {}
+        out = tmp_path / f"v{version}"
+        asyncio.run(materialize.pull(LocalBoard(env.board), RUN, version, out,
+                                     tmp_path / "check-cache"))
+        for f in sorted(out.glob("*.safetensors")):
+            got.update(load_file(f))
+        assert same(got, view(step))
+    latest = max(done)
+    _, body, _ = env.publish(4, capsys=capsys)  # and the cache goes on from the board's latest
+    assert body["version"] == latest + 1 and body["parent"] == latest
+    assert same(env.board_view(), view(4))
+    assert isinstance(load(env.cache, RUN, env.manifest(latest + 1)), Loaded)

@@ -72,9 +72,9 @@ def _publish(a: argparse.Namespace, src: Checkpoint, cache: Path,
              state_problem: str | None = None) -> tuple[Manifest, int | None, str | None]:
     """One publish of `src`: (its manifest, the version it was made from, why the local state
     could not be kept or None). The base is the local state if it is the board's `latest` (its
-    proof runs while the patch is made, and fails the publish before anything is uploaded:
-    StateUnusableError), else `latest` rebuilt from the board; `state_problem`: the state is
-    not used (why, for the message)."""
+    proof runs while the patch is made; a failed one stops the publish before anything is
+    uploaded: BaseProofError), else `latest` rebuilt from the board; `state_problem`: the state
+    is not used (why, for the message)."""
     from stitch_trainer import publish_state
     from stitch_trainer.publisher import Publisher
 

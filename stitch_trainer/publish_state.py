@@ -245,10 +245,11 @@ def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> s
         base.prove()
     except StateUnusableError as e:
         return str(e)
-    try:
-        entries = PatchReader(patch).header.tensors
+    try:  # checked once here (its checksum), and applied from the same reader
+        reader = PatchReader(patch)
     except PatchError as e:
         return f"cannot advance the local state ({e})"
+    entries = reader.header.tensors
     if {e.name for e in entries} != set(base.view) or any(e.kind != "patch" for e in entries):
         raise NotInPlaceError("the patch adds, drops or reshapes a tensor")
     if {e.name: e.target_fp for e in entries} != {t.name: t.fingerprint for t in m.tensors}:
@@ -259,7 +260,7 @@ def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> s
             if doc["version"] != base.version or doc["file"] != base.file.name:
                 return "the local state changed while this version was published"
             try:  # proves every tensor's fingerprint (the patch's, checked above to be m's)
-                apply(base.view, patch, base_fingerprints=base.fingerprints,
+                apply(base.view, reader, base_fingerprints=base.fingerprints,
                       base_version=base.version, run=run, inplace=True)
             except PatchError as e:  # undone: the file still holds base.version
                 return f"cannot advance the local state ({e})"

@@ -525,7 +525,7 @@ def check_digests(header: PatchHeader, base_rows, target_rows) -> None:
 
 def apply(
     base: Mapping[str, torch.Tensor],
-    patch: Patch | bytes | str | os.PathLike | list,
+    patch: Patch | PatchReader | bytes | str | os.PathLike | list,
     *,
     base_fingerprints: Mapping[str, int] | None = None,
     base_version: int | None = None,
@@ -541,7 +541,8 @@ def apply(
     readers: list[PatchReader] = []
     try:
         for p in srcs:
-            readers.append(PatchReader(p.data if isinstance(p, Patch) else p))
+            readers.append(p if isinstance(p, PatchReader)
+                           else PatchReader(p.data if isinstance(p, Patch) else p))
         reader: PatchReader | PatchSet = (
             readers[0]
             if len(readers) == 1 and readers[0].header.part is None

@@ -14,13 +14,15 @@ parameters would never be seen:
 ``_stitch_masters`` ({attribute: tensor}, what ``stitch_core.engine.layout`` maps and patches) and a
 ``_stitch_repack`` function; ``repack_dirty`` re-packs the modules an apply changed. Costs one extra
 copy of every packed weight, on the CPU only: on GPUs nothing is installed and the kernels read
-``param.data`` directly. Packed linear layers can also be built ahead of an apply's pause by
-vLLM's own packing on a stand-in module (`_build_linear`; `stitch_core.engine.prebuild`), so the
-pause only swaps each layer's ``cpu_linear``.
+``param.data`` directly. Packed linear layers and MoE experts can also be built ahead of an
+apply's pause by vLLM's own packing on a stand-in module (`_build_linear`, `_build_moe`;
+`stitch_core.engine.prebuild`), so the pause only swaps each layer's ``cpu_linear`` or the
+experts' two packed parameters.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable
 
@@ -35,6 +37,7 @@ __all__ = ["install_cpu_weight_keeper", "repack_dirty", "init_amx", "pack_kind"]
 _ORIG_DISPATCH = None
 _ORIG_MOE = None
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
+_MISSING = object()
 # packed linear copies built ahead of an apply's pause (`stitch_core.engine.prebuild`): the
 # layer's whole state is its ``cpu_linear`` closure
 AHEAD_KINDS = ("onednn", "amx")
@@ -160,7 +163,8 @@ def _wrap_moe(cpu_moe) -> None:
                 if m is not None and layer._parameters.get(n) is not m}
         if kept:  # replaced by padded / packed copies (not with zentorch, which keeps them)
             layer._stitch_masters = kept
-            derived.register(layer, "moe-packed", kept, functools.partial(_repack_moe, self, layer))
+            derived.register(layer, "moe-packed", kept, functools.partial(_repack_moe, self, layer),
+                             build=functools.partial(_build_moe, self, layer))
 
     process_weights_after_loading.__wrapped__ = orig  # type: ignore[attr-defined]
     process_weights_after_loading._stitch_keeper = True  # type: ignore[attr-defined]
@@ -171,6 +175,45 @@ def _repack_moe(experts, layer: torch.nn.Module) -> None:
     for n, master in layer._stitch_masters.items():
         layer._parameters[n] = master
     _ORIG_MOE(experts, layer)  # pads and packs into new tensors; the masters stay as they are
+
+
+def _build_moe(experts, layer: torch.nn.Module, sources) -> functools.partial:
+    """vLLM's own MoE post-load step (pad, pre-pack) of `sources` on a stand-in of `layer` (a
+    shallow copy with its own parameter dict) while `layer` keeps serving; returns what installs
+    the packed parameters (it returns the ones they replace). Refused (the pause re-packs as
+    before) where the step would write into something the stand-in shares with the layer: the
+    expert bias of a padded layer (vLLM pads it through ``.data``)."""
+    padded = experts._padded_intermediate_size(experts.moe_config)
+    if getattr(layer, "w13_bias", None) is not None and \
+            padded != experts.moe_config.intermediate_size_per_partition:
+        raise RuntimeError("a padded MoE layer's bias is padded in place: not built ahead")
+    shim = copy.copy(layer)
+    shim._parameters = dict(layer._parameters)
+    for name, src in sources.items():
+        p = torch.nn.Parameter(src, requires_grad=False)
+        loader = getattr(layer._stitch_masters.get(name), "weight_loader", None)
+        if loader is not None:  # as the in-place re-pack's new parameter gets it
+            p.weight_loader = loader
+        shim._parameters[name] = p
+    # the step records a choice on the experts object, which the engine reads as it serves;
+    # the stand-in (a copy of the layer) makes the same choice, and the layer's is put back
+    use_zentorch = experts.__dict__.get("_use_zentorch", _MISSING)
+    try:
+        _ORIG_MOE(experts, shim)
+    finally:
+        if use_zentorch is not _MISSING:
+            experts._use_zentorch = use_zentorch
+    new = {name: shim._parameters[name] for name in sources}
+    ptrs = {t.untyped_storage().data_ptr() for t in sources.values()}
+    if any(p.untyped_storage().data_ptr() in ptrs for p in new.values()):
+        raise RuntimeError("vLLM's MoE step kept the source tensors: not built ahead")
+    return functools.partial(_install_moe, layer, new)
+
+
+def _install_moe(layer: torch.nn.Module, new: dict[str, torch.nn.Parameter]) -> dict:
+    old = {name: layer._parameters[name] for name in new}
+    layer._parameters.update(new)
+    return old
 
 
 def repack_dirty(model: torch.nn.Module, dirty_params: Iterable[str]) -> list[str]:

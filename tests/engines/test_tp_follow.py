@@ -54,6 +54,11 @@ def follow_and_compare(engine, server, trainer, root, tp: int, start: int, arch:
     changed = follow_versions(trainer, server, VERSIONS,
                               lambda v: engine.pinned(server, v, 300))
     target = start + VERSIONS
+    la = server.wait_version(target, timeout=60)["last_apply"]
+    if {"onednn", "amx", "moe-packed"} & set(st["derived_copies"]):
+        # every packed copy the apply changed (linear layers and, for MoE, the experts' grouped
+        # copies) was built ahead of the pause on each rank and only installed in it
+        assert la["derived_ahead"] == la["derived_rebuilt"] > 0, la
     seen = server.outputs(target)
     verify_clean(server)
     if stop is not None:

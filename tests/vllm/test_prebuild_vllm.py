@@ -74,3 +74,79 @@ def test_a_copy_built_ahead_serves_what_the_in_place_repack_serves(dtype, shape)
     dc.rebuild()
     assert torch.equal(layer.cpu_linear(x, None, None), ahead_out)
     assert not torch.equal(ahead_out, old_out)
+
+
+# ---------------------------------------------------------------- MoE experts (moe-packed)
+
+
+def _experts(cls_name: str, intermediate: int):
+    """vLLM's CPU MoE experts object as its post-load step reads it (the config fields that step
+    reads; the rest of a FusedMoEConfig plays no part in packing)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cpu.install_cpu_weight_keeper()  # wraps the experts' post-load step (cpu._wrap_moe)
+    experts = object.__new__(getattr(cpu_moe, cls_name))
+    experts.moe_config = SimpleNamespace(intermediate_size_per_partition=intermediate,
+                                         activation=MoEActivation.SILU)
+    experts._use_zentorch = False
+    return experts
+
+
+def _moe_layer(experts, hidden: int, intermediate: int, g, bias: bool = False):
+    layer = torch.nn.Module()
+    for name, shape in (("w13_weight", (4, 2 * intermediate, hidden)),
+                        ("w2_weight", (4, hidden, intermediate))):
+        p = torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16(), requires_grad=False)
+        p.weight_loader = print  # any loader: the packed parameter must carry it on
+        layer.register_parameter(name, p)
+    if bias:
+        layer.w13_bias = torch.nn.Parameter(torch.zeros(4, 2 * intermediate))
+    experts.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("intermediate", [64, 48])  # 48: padded to the kernel's alignment
+def test_moe_experts_built_ahead_equal_the_in_place_repack(intermediate):
+    experts = _experts("CPUUnquantizedExperts", intermediate)
+    g = torch.Generator().manual_seed(0)
+    layer = _moe_layer(experts, 64, intermediate, g)
+    dc = getattr(layer, derived.ATTR, None)
+    assert dc is not None and dc.kind == "moe-packed" and dc.build is not None
+    before = {n: layer._parameters[n].clone() for n in cpu.MOE_WEIGHTS}
+    new = {}
+    for n, master in dc.sources.items():
+        w = master.clone()
+        idx = torch.arange(0, w.numel(), 97)
+        w.view(-1)[idx] = torch.randn(len(idx), generator=g).bfloat16()
+        new[n] = w
+    scratch = {n: w.clone() for n, w in new.items()}
+    install = dc.build(scratch)
+    for n in cpu.MOE_WEIGHTS:  # built off to the side: the layer serves what it did
+        assert torch.equal(layer._parameters[n], before[n])
+    for t in scratch.values():
+        t.zero_()  # the scratch buffers are reused for the next copy
+    old = install()
+    assert set(old) == set(cpu.MOE_WEIGHTS)
+    ahead = {n: layer._parameters[n] for n in cpu.MOE_WEIGHTS}
+    assert all(hasattr(p, "weight_loader") for p in ahead.values())
+    for n, w in new.items():  # the reference: masters written in place, re-packed in place
+        dc.sources[n].copy_(w)
+    dc.rebuild()
+    for n in cpu.MOE_WEIGHTS:
+        ref = layer._parameters[n]
+        assert ref.shape == ahead[n].shape and torch.equal(ref.view(torch.int16),
+                                                           ahead[n].view(torch.int16)), n
+        assert not torch.equal(ref, before[n])
+
+
+def test_a_padded_moe_layer_with_a_bias_is_rebuilt_in_the_pause():
+    """vLLM pads a padded layer's expert bias through ``.data``, which a stand-in shares with the
+    live layer: that layer is not built ahead (its in-place re-pack stays)."""
+    experts = _experts("CPUUnquantizedExperts", 48)
+    layer = _moe_layer(experts, 64, 48, torch.Generator().manual_seed(1), bias=True)
+    dc = getattr(layer, derived.ATTR)
+    with pytest.raises(RuntimeError, match="not built ahead"):
+        dc.build({n: t.clone() for n, t in dc.sources.items()})

@@ -166,6 +166,9 @@ class Background:
                     with self.phases(name + " (background)"):
                         step()
                 except BaseException as e:  # noqa: BLE001 - reported by wait()
+                    # into the log too: a refusal (need_disk's SystemExit) runs no command, so
+                    # the log's tail would otherwise not say why
+                    say(f"{name} failed: {type(e).__name__}: {e}")
                     self.failed = name
                     for rest, _ in self.steps:  # this step and the later ones (not run)
                         self.errors.setdefault(rest, e)

@@ -85,7 +85,7 @@ from stitch_dev.server import ServerProcess  # noqa: E402
 
 EXT = "stitch_vllm.worker.StitchWorkerExtension"
 
-# name -> build_tiny_model overrides (qwen2; head_dim 32/64 for vLLM's CPU attention)
+# name -> build_tiny_model overrides (qwen2 unless `arch`; head_dim 32/64 for vLLM's CPU attention)
 SIZES = {
     "tiny": {},  # the test model: hidden 128, 2 layers, vocab 500 (~0.42M params)
     "10x": {"hidden_size": 256, "num_layers": 4, "intermediate_size": 768, "vocab_size": 2000},
@@ -97,6 +97,12 @@ SIZES = {
     # `--sizes q05b --lrs 1e-6 --versions 2 --skip-b`
     "q05b": {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
              "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 256},
+    # the same shapes as a Qwen3-MoE (4 experts of a quarter of the intermediate size, top-2:
+    # as many expert parameters per layer as q05b's dense MLP), for vLLM's grouped-GEMM packed
+    # experts (`moe-packed`): `--sizes q05b-moe --lrs 1e-6 --versions 3 --skip-b`
+    "q05b-moe": {"arch": "qwen3_moe", "hidden_size": 896, "num_layers": 24, "num_heads": 14,
+                 "num_kv_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+                 "max_position_embeddings": 256},
 }
 # sglang.Engine / launch_server settings for SGLang's CPU engine (as stitch_dev.procs.sglang_cmd)
 SGLANG_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
@@ -437,7 +443,8 @@ def prepare_size(work: Path, size: str, cfg: dict, lrs: list[float], versions: i
     from stitch_dev.tinymodel import build_tiny_model
 
     d = work / size
-    model_dir = build_tiny_model(d / "model", arch="qwen2", **cfg)
+    cfg = dict(cfg)
+    model_dir = build_tiny_model(d / "model", arch=cfg.pop("arch", "qwen2"), **cfg)
     board = d / "board"
     runs = []
     t0 = time.perf_counter()

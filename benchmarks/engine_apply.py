@@ -135,6 +135,11 @@ def _ms(s: float | None) -> str:
     return "n/a" if s is None or s != s else f"{1e3 * s:.1f}"
 
 
+def _phases(ph: dict[str, float] | None) -> str:
+    """A build ahead's steps (`last_apply.prebuild_phases_s`) as ' [a / b / c / d]' ms."""
+    return f" [{' / '.join(f'{1e3 * v:.0f}' for v in ph.values())}]" if ph else ""
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None and x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -380,6 +385,7 @@ def engine_job(job_path: str) -> None:
                     "index_put_s": base.index_put_s, "index_put_elements": base.elements,
                     "prebuild_s": st.get("prebuild_s"), "prebuilt": st.get("prebuilt"),
                     "derived_ahead": st.get("derived_ahead"),
+                    "prebuild_phases_s": st.get("prebuild_phases_s"),
                     **eng.row(), "cold": i == 0 and v == 1,
                 })
         t = time.perf_counter()
@@ -661,8 +667,9 @@ A_ROW_COLS = [
     ("gather ms", lambda r, s, n: _ms(r["gather_s"]), True),
     ("gather ms (on the rank)",
      lambda r, s, n: f"{_ms(r['gather_s'])} ({_ms(r['gather_rank_s'])})", False),
-    ("built ahead ms (copies, installed)", lambda r, s, n: f"{_ms(r.get('prebuild_s'))} "
-     f"({r.get('prebuilt')}, {r.get('derived_ahead')})", True),
+    ("built ahead ms (copies, installed) [copy / write / build / digest ms, slowest rank]",
+     lambda r, s, n: f"{_ms(r.get('prebuild_s'))} ({r.get('prebuilt')}, "
+     f"{r.get('derived_ahead')})" + _phases(r.get("prebuild_phases_s")), True),
     ("**rank write ms**", lambda r, s, n: f"**{_ms(r['write_rank_s'])}**", None),
     ("of which re-pack ms (layers)",
      lambda r, s, n: f"{_ms(r['repack_s'])} ({r['repacked_layers']})", True),

@@ -298,9 +298,14 @@ class Coordinator(HeldState):
         timing["prebuild_s"] = time.perf_counter() - t0
         timing["prebuilt"] = max((r.copies for r in replies), default=0)
         if timing["prebuilt"]:
+            # the steps of the slowest rank's build (copy aside, write, the kernel's build, digest)
+            slow = max(replies, key=lambda r: r.seconds)
+            timing["prebuild_phases_s"] = dict(slow.phases)
             log.info("stitch: %d kernel copies of weights built ahead of the pause in %.2f s "
-                     "(engine serving; %.0f MB of weights per rank at most)", timing["prebuilt"],
-                     timing["prebuild_s"], max(r.nbytes for r in replies) / 1e6)
+                     "(engine serving; %.0f MB of weights per rank at most; %s)",
+                     timing["prebuilt"], timing["prebuild_s"],
+                     max(r.nbytes for r in replies) / 1e6,
+                     ", ".join(f"{k} {v:.2f} s" for k, v in slow.phases.items()) or "in progress")
         return True
 
     async def _each(self, patch, batches, first: dict[str, np.ndarray], aid: str,

@@ -162,7 +162,12 @@ class Scratch:
         return sum(_nbytes(b) for b in self._bufs.values())
 
 
-def _build(job: _Job, scratch: Scratch) -> tuple[Callable[[], None], bytes]:
+# the steps of one copy's build ahead, timed (summed over an apply's copies: `Prebuild.phases`)
+PHASES = ("copy", "write", "build", "digest")
+
+
+def _build(job: _Job, scratch: Scratch,
+           phases: dict[str, float]) -> tuple[Callable[[], None], bytes]:
     with scratch.lock:
         srcs: dict[str, torch.Tensor] = {}
         for slot, (attr, t) in enumerate(job.dc.sources.items()):
@@ -170,14 +175,23 @@ def _build(job: _Job, scratch: Scratch) -> tuple[Callable[[], None], bytes]:
             if w is None:
                 srcs[attr] = t  # not written by this apply
                 continue
+            t0 = time.perf_counter()
             copy = scratch.copy_of(t, slot)
+            t1 = time.perf_counter()
             flat = copy.reshape(-1)
             for eng, bits, hf_dtype in w:
                 scatter.write_bits(flat, eng, bits, hf_dtype)
+            phases["copy"] += t1 - t0
+            phases["write"] += time.perf_counter() - t1
             srcs[attr] = copy
         assert job.dc.build is not None
+        t0 = time.perf_counter()
         install = job.dc.build(srcs)
-        return install, derived.digest(srcs.values())
+        t1 = time.perf_counter()
+        digest = derived.digest(srcs.values())
+        phases["build"] += t1 - t0
+        phases["digest"] += time.perf_counter() - t1
+        return install, digest
 
 
 class Prebuild:
@@ -191,6 +205,7 @@ class Prebuild:
         self.jobs, self.nbytes, self.why = jobs, nbytes, why
         self.t0 = time.perf_counter()
         self.seconds = 0.0
+        self.phases = dict.fromkeys(PHASES, 0.0)
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         if jobs:
@@ -203,7 +218,7 @@ class Prebuild:
                 job.future.set_exception(PrebuildCancelledError(self.apply_id))
                 continue
             try:
-                job.future.set_result(_build(job, self.scratch))
+                job.future.set_result(_build(job, self.scratch, self.phases))
             except BaseException as e:  # noqa: BLE001 - reported where it is installed
                 job.future.set_exception(e)
         self.seconds = time.perf_counter() - self.t0
@@ -215,7 +230,8 @@ class Prebuild:
     def status(self) -> rpc.PrebuildReply:
         done = self.done
         return rpc.PrebuildReply(self.apply_id, len(self.jobs), self.nbytes, done,
-                                 self.seconds if done else time.perf_counter() - self.t0, self.why)
+                                 self.seconds if done else time.perf_counter() - self.t0, self.why,
+                                 dict(self.phases) if done else {})
 
     def matches(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray]) -> bool:
         """Whether a write of `values` is the one staged, with nothing written since."""

@@ -154,7 +154,9 @@ class Prebuild:
 @dataclass(frozen=True)
 class PrebuildReply:
     """How many derived copies the rank builds ahead (`copies`, `nbytes` of their sources),
-    whether all are built (`done`), the seconds since it started, and why it built none (`why`)."""
+    whether all are built (`done`), the seconds since it started, why it built none (`why`),
+    and once done the seconds of each step summed over the copies (`phases`: copy aside, write
+    the bits, build, digest)."""
 
     id: str
     copies: int
@@ -162,6 +164,7 @@ class PrebuildReply:
     done: bool
     seconds: float = 0.0
     why: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import resource
 import threading
 import weakref
 
@@ -117,9 +118,10 @@ def test_copies_built_ahead_are_installed_by_the_write_they_were_staged_for():
     assert staged.copies == 2 and staged.nbytes == 2 * V * D * 4 and staged.why == ""
     assert m.builds == ["stitch-prebuild"] * 2 and m.rebuilds == 0
     # each step of the two builds timed, none longer than the whole
-    assert list(staged.phases) == ["copy", "write", "build", "digest"]
-    assert all(v > 0 for v in staged.phases.values())
-    assert sum(staged.phases.values()) <= staged.seconds
+    steps = {k: staged.phases[k] for k in ("copy", "write", "build", "digest")}
+    assert all(v > 0 for v in steps.values()) and sum(steps.values()) <= staged.seconds
+    if hasattr(resource, "RUSAGE_THREAD"):  # Linux: the kernel's share of the build
+        assert 0 <= staged.phases["build_sys"] <= staged.phases["build"] + 0.01
     before = m(IDS)
     old_copy = weakref.ref(m.lm_head.cpu_linear)
     out = rep.write("a1", {EMB: NEW.view(torch.int32).numpy()})

@@ -30,6 +30,7 @@ One thread builds, beside the engine's own (on a small host they share cores wit
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -162,8 +163,15 @@ class Scratch:
         return sum(_nbytes(b) for b in self._bufs.values())
 
 
-# the steps of one copy's build ahead, timed (summed over an apply's copies: `Prebuild.phases`)
+# the steps of one copy's build ahead, timed (summed over an apply's copies: `Prebuild.phases`);
+# `build_sys`: the kernel's share of `build` on the building thread (page faults of the new
+# copies, mostly), where the OS reports it per thread (Linux)
 PHASES = ("copy", "write", "build", "digest")
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def _sys_time() -> float:
+    return resource.getrusage(_RUSAGE_THREAD).ru_stime if _RUSAGE_THREAD is not None else 0.0
 
 
 def _build(job: _Job, scratch: Scratch,
@@ -185,9 +193,11 @@ def _build(job: _Job, scratch: Scratch,
             phases["write"] += time.perf_counter() - t1
             srcs[attr] = copy
         assert job.dc.build is not None
-        t0 = time.perf_counter()
+        t0, s0 = time.perf_counter(), _sys_time()
         install = job.dc.build(srcs)
         t1 = time.perf_counter()
+        if _RUSAGE_THREAD is not None:
+            phases["build_sys"] = phases.get("build_sys", 0.0) + _sys_time() - s0
         digest = derived.digest(srcs.values())
         phases["build"] += t1 - t0
         phases["digest"] += time.perf_counter() - t1

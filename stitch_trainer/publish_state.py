@@ -264,6 +264,10 @@ def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> s
                       base_version=base.version, run=run, inplace=True)
             except PatchError as e:  # undone: the file still holds base.version
                 return f"cannot advance the local state ({e})"
+            except Exception as e:  # noqa: BLE001 - the version is published: say, not fail
+                # (a kernel or memory error: the next load's proof decides whether the file
+                # still holds base.version, and rebuilds it from the board if not)
+                return f"cannot advance the local state ({type(e).__name__}: {e})"
             _write_doc(d, m, base.file)
             return None
     except (OSError, StateUnusableError) as e:

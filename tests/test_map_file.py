@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 
 import pytest
 import torch
@@ -55,24 +56,52 @@ def _rewrite(p, edit) -> None:
     raw = p.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     head = json.loads(raw[8:8 + n])
+    head.setdefault("__metadata__", {})
     edit(head)
-    new = json.dumps(head).encode()
+    raws = {}
+    for k, v in head["__metadata__"].items():  # raw JSON text (too deep for json.dumps)
+        if isinstance(v, _Raw):
+            raws[k], head["__metadata__"][k] = str(v), f"@raw-{k}@"
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # a hostile header may hold integers Python refuses to print
+    try:
+        new = json.dumps(head)
+    finally:
+        sys.set_int_max_str_digits(limit)
+    for k, v in raws.items():
+        new = new.replace(f'"@raw-{k}@"', v)
+    new = new.encode()
     new = new.ljust(-(-len(new) // 8) * 8)
     p.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
 
 
 LIES = {
-    "past the end": lambda h: h["c.idx"].__setitem__(
-        "data_offsets", [h["c.idx"]["data_offsets"][0], 10**9]),
     "size differs from shape": lambda h: h["a.weight"].__setitem__("shape", [16, 9]),
     "overlapping": lambda h: h["b.bias"].__setitem__(  # over c.idx, aligned, right size
         "data_offsets", [h["c.idx"]["data_offsets"][0], h["c.idx"]["data_offsets"][0] + 20]),
-    "misaligned": lambda h: h["b.bias"].__setitem__(
-        "data_offsets", [h["b.bias"]["data_offsets"][0] + 1, h["b.bias"]["data_offsets"][1] + 1]),
     "unknown dtype": lambda h: h["b.bias"].__setitem__("dtype", "Q7"),
     "negative dimension": lambda h: h["e.empty"].__setitem__("shape", [-1, 0]),
     "no offsets": lambda h: h["d.flag"].pop("data_offsets"),
+    # hostile numbers: not integers, or integers no tensor has
+    "infinite dimension": lambda h: h["a.weight"].__setitem__("shape", [float("inf"), 8]),
+    "float dimension": lambda h: h["a.weight"].__setitem__("shape", [16.0, 8]),
+    "bool dimension": lambda h: h["d.flag"].__setitem__("shape", [True, 3]),
+    "string offset": lambda h: h["c.idx"].__setitem__(
+        "data_offsets", [str(x) for x in h["c.idx"]["data_offsets"]]),
+    "5000-digit dimension": lambda h: h["e.empty"].__setitem__("shape", [10**5000, 0]),
+    "dimension past int64": lambda h: h["e.empty"].__setitem__("shape", [2**63, 0]),
+    "strides past int64": lambda h: h["e.empty"].__setitem__("shape", [2**40, 2**40, 0]),
+    "deeply nested": lambda h: h["__metadata__"].__setitem__("x", _nested(100_000)),
 }
+
+
+def _nested(depth: int) -> object:
+    """A JSON value nested `depth` lists deep (json.dumps recurses: built as raw text below)."""
+    return _Raw("[" * depth + "]" * depth)
+
+
+class _Raw(str):
+    """Text spliced into the rewritten header as it is (see _rewrite)."""
 
 
 @pytest.mark.parametrize("lie", LIES)
@@ -82,6 +111,30 @@ def test_a_header_that_lies_is_refused(tmp_path, lie):
     _rewrite(p, LIES[lie])
     with pytest.raises(CheckpointError):
         map_file(p, writable=True)
+
+
+def test_a_tensor_past_the_end_of_a_truncated_file_is_refused(tmp_path):
+    """Sizes and offsets agree with each other; the file lacks its last bytes."""
+    p = tmp_path / "m.safetensors"
+    save_file(tensors(), p)
+    p.write_bytes(p.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="does not lie in the file"):
+        map_file(p)
+
+
+def test_a_misaligned_tensor_is_refused(tmp_path):
+    """One float32 tensor of the right size, inside the file, overlapping nothing, at an offset
+    that is not a multiple of 4 from the file's start."""
+    head = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}).encode()
+    head = head.ljust(-(-len(head) // 8) * 8)
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", len(head)) + head + bytes(9))
+    with pytest.raises(CheckpointError, match="does not lie in the file"):
+        map_file(p)
+    head2 = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    head2 = head2.ljust(-(-len(head2) // 8) * 8)
+    p.write_bytes(struct.pack("<Q", len(head2)) + head2 + bytes(9))
+    assert map_file(p)["x"].tolist() == [0.0, 0.0]  # the same file, aligned: mapped
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x05\x00", struct.pack("<Q", 1 << 40) + b"{}",

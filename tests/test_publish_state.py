@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -193,6 +194,15 @@ def test_advance_refuses_a_patch_that_is_not_the_boards_version(env, capsys, tmp
     assert why and "corrupt patch data" in why and len(calls) == 3, why
     assert state_doc(env.cache)["version"] == 1
     assert isinstance(load(env.cache, RUN, m1), Loaded)  # undone: still v1, still proven
+
+    def fails_oddly(*a, **kw):  # not a patch error (a kernel's or the host's): said, not raised
+        raise RuntimeError("out of something")
+
+    monkeypatch.setattr(codec, "apply_cpu", fails_oddly)
+    why = advance(env.cache, RUN, base, patch, m2)
+    assert why and "RuntimeError: out of something" in why, why
+    assert state_doc(env.cache)["version"] == 1
+    assert isinstance(load(env.cache, RUN, m1), Loaded)
     monkeypatch.setattr(codec, "apply_cpu", real)
     assert advance(env.cache, RUN, load(env.cache, RUN, m1), patch, m2) is None
     assert same(load(env.cache, RUN, m2).view, view(2))
@@ -230,11 +240,25 @@ def _flip(p: Path, at: int) -> None:
     p.write_bytes(bytes(b))
 
 
+def _hostile_header(p: Path) -> None:
+    """The view file's first shape made `Infinity` (valid JSON to Python's parser), the file's
+    size kept (the data's tail cut by what the header grew)."""
+    raw = p.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head, k = re.subn(r'"shape":\[\d+', '"shape":[Infinity', raw[8:8 + n].decode(), count=1)
+    assert k == 1
+    new = head.encode().ljust(-(-len(head) // 8) * 8)
+    out = len(new).to_bytes(8, "little") + new + raw[8 + n:]
+    p.write_bytes(out[:len(raw)])
+    assert p.stat().st_size == len(raw)
+
+
 DAMAGES = {
     "view bit flipped": lambda c: _flip(view_file(c), view_file(c).stat().st_size - 7),
     "view truncated": lambda c: os.truncate(view_file(c), view_file(c).stat().st_size // 2),
     "view missing": lambda c: view_file(c).unlink(),
     "view replaced, size kept": lambda c: save_file(view(0), view_file(c)),
+    "view header hostile": lambda c: _hostile_header(view_file(c)),
     "state.json truncated": lambda c: os.truncate(state_dir(c, RUN) / "state.json", 50),
     "state.json garbage": lambda c: (state_dir(c, RUN) / "state.json").write_bytes(
         os.urandom(300)),
@@ -252,7 +276,6 @@ def test_a_damaged_state_is_rebuilt_not_trusted(env, capsys, damage):
     m2 = env.manifest(2)
     assert isinstance(load(env.cache, RUN, m2), str)
     _, body, err = env.publish(3, capsys=capsys)
-    print(err)
     assert "rebuilding ps v2 from the board (local state:" in err, err
     assert env.pulled == [2] and body["kind"] == "patch" and body["version"] == 3
     assert same(env.board_view(), view(3))  # the patch was made against the board's v2

@@ -164,17 +164,19 @@ def map_file(path: str | os.PathLike, *, writable: bool = False) -> dict[str, to
 
     path = Path(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(f"{path.name}: not a safetensors file (header size {n})")
-            doc = json.loads(f.read(n))
+            doc = json.loads(f.read(n), parse_constant=_no_constant)
     except OSError as e:
         raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: unreadable safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, Infinity/NaN, a 5000-digit int
+        raise CheckpointError(f"{path.name}: unreadable safetensors header "
+                              f"({str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path.name}: unreadable safetensors header")
     start, data = 8 + n, size - 8 - n
@@ -184,15 +186,16 @@ def map_file(path: str | os.PathLike, *, writable: bool = False) -> dict[str, to
             continue
         try:
             dt = dtypes.info(e["dtype"])
-            shape = [int(d) for d in e["shape"]]
-            a, b = (int(x) for x in e["data_offsets"])
+            shape = [_count(d) for d in e["shape"]]
+            a, b = (_count(x) for x in e["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path.name}: bad header entry for {name!r}") from None
         numel = 1
         for d in shape:
             numel *= d
-        if min(shape, default=0) < 0 or not 0 <= a <= b <= data or b - a != numel * dt.itemsize \
-                or (start + a) % dt.itemsize:
+        # an empty tensor's other dimensions are not bounded by its bytes: by the index type
+        if not a <= b <= data or b - a != numel * dt.itemsize or (start + a) % dt.itemsize \
+                or any(d > _MAX_DIM for d in shape):
             raise CheckpointError(f"{path.name}: {name} does not lie in the file as its header "
                                   "says")
         spans.append((a, b, name, dt.torch_dtype, shape))
@@ -200,12 +203,36 @@ def map_file(path: str | os.PathLike, *, writable: bool = False) -> dict[str, to
     for (_, b, x, *_), (a, _, y, *_) in zip(spans, spans[1:], strict=False):
         if a < b:
             raise CheckpointError(f"{path.name}: {x} and {y} overlap")
-    storage = torch.UntypedStorage.from_file(str(path), shared=writable, nbytes=size)
+    try:
+        storage = torch.UntypedStorage.from_file(str(path), shared=writable, nbytes=size)
+        now = os.stat(path)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"cannot map {path} ({e})") from None
+    if (now.st_dev, now.st_ino, now.st_size) != (st.st_dev, st.st_ino, size):
+        # replaced or resized while being read (a shared mapping of a shorter file grows it)
+        raise CheckpointError(f"{path} changed while it was being mapped")
     out: dict[str, torch.Tensor] = {}
     for a, _, name, dtype, shape in spans:
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        out[name] = torch.empty(0, dtype=dtype).set_(storage, (start + a) // itemsize, shape)
+        try:
+            out[name] = torch.empty(0, dtype=dtype).set_(storage, (start + a) // itemsize, shape)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as e:
+            raise CheckpointError(f"{path.name}: {name}: {str(e)[:200]}") from None
     return out
+
+
+_MAX_DIM = 2**48  # no dimension of a real tensor is larger; keeps every stride in int64
+
+
+def _count(x: object) -> int:
+    """A header's size or offset: a JSON integer, not negative (not a bool, a float, a string)."""
+    if type(x) is not int or x < 0:
+        raise ValueError(f"not a count: {x!r}")
+    return x
+
+
+def _no_constant(c: str) -> None:
+    raise ValueError(f"{c} in a safetensors header")
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

@@ -231,11 +231,10 @@ class NotInPlaceError(StitchError, ValueError):
 
 
 def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> str | None:
-    """Move the state `base` (the view `patch` was made from) to `m`'s version, the version just
-    published: `patch` is applied in place to the view file and proven against `m`'s
-    fingerprints, then `state.json` names `m`. None, or why the state could not be advanced (one
-    line, for a warning: the next publish then rebuilds its base). NotInPlaceError when the patch
-    changes the file's tensor set or shapes (nothing was written)."""
+    """Move the state `base` (the view `patch` was made from) to `m`, the version just published:
+    `patch` applied in place to the view file, proven against `m`'s fingerprints, then
+    `state.json` names `m`. None, or why not (a warning's line; the next publish rebuilds its
+    base). NotInPlaceError: the patch changes the tensor set or shapes (nothing written)."""
     d = state_dir(cache, run)
     if base.file is None:
         raise NotInPlaceError("the state is not a mapped view file")
@@ -264,9 +263,7 @@ def advance(cache: Path, run: str, base: Loaded, patch: bytes, m: Manifest) -> s
                       base_version=base.version, run=run, inplace=True)
             except PatchError as e:  # undone: the file still holds base.version
                 return f"cannot advance the local state ({e})"
-            except Exception as e:  # noqa: BLE001 - the version is published: say, not fail
-                # (a kernel or memory error: the next load's proof decides whether the file
-                # still holds base.version, and rebuilds it from the board if not)
+            except Exception as e:  # noqa: BLE001 - published: said; the next load's proof judges
                 return f"cannot advance the local state ({type(e).__name__}: {e})"
             _write_doc(d, m, base.file)
             return None

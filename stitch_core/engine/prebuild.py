@@ -166,8 +166,9 @@ class Scratch:
 # the steps of one copy's build ahead, timed (summed over an apply's copies: `Prebuild.phases`);
 # `build_sys`: the kernel's share of `build` on the building thread (page faults of the new
 # copies, mostly), where the OS reports it per thread (Linux)
-PHASES = ("copy", "write", "build", "digest")
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+PHASES = ("copy", "write", "build", "digest") + (
+    ("build_sys",) if _RUSAGE_THREAD is not None else ())
 
 
 def _sys_time() -> float:
@@ -197,7 +198,7 @@ def _build(job: _Job, scratch: Scratch,
         install = job.dc.build(srcs)
         t1 = time.perf_counter()
         if _RUSAGE_THREAD is not None:
-            phases["build_sys"] = phases.get("build_sys", 0.0) + _sys_time() - s0
+            phases["build_sys"] += _sys_time() - s0
         digest = derived.digest(srcs.values())
         phases["build"] += t1 - t0
         phases["digest"] += time.perf_counter() - t1

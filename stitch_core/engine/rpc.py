@@ -156,7 +156,7 @@ class PrebuildReply:
     """How many derived copies the rank builds ahead (`copies`, `nbytes` of their sources),
     whether all are built (`done`), the seconds since it started, why it built none (`why`),
     and once done the seconds of each step summed over the copies (`phases`: copy aside, write
-    the bits, build, digest)."""
+    the bits, build, digest; on Linux `build_sys`, the kernel's share of build)."""
 
     id: str
     copies: int

@@ -556,8 +556,16 @@ def gpu_bundle(args: list[str]) -> int:
     return 0
 
 
+COMMANDS = ("demo", "test", "setup", "gpu-check", "gpu-bundle")
+
+
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
+    if what not in COMMANDS:  # answered before any set-up (a venv build takes minutes)
+        print(__doc__ if what in ("-h", "--help", "help") else
+              f"unknown command {what!r}; use {' | '.join(COMMANDS)}",
+              file=sys.stdout if what in ("-h", "--help", "help") else sys.stderr)
+        return 0 if what in ("-h", "--help", "help") else 2
     if what in ("gpu-check", "gpu-bundle"):  # no set-up (gpu-check: runs with no registry)
         return (gpu_check if what == "gpu-check" else gpu_bundle)(sys.argv[2:])
     phases = Phases()
@@ -575,9 +583,7 @@ def main() -> int:
         return run_demo([PY, ROOT / "scripts" / "demo.py", *args],
                         dict(env, STITCH_VLLM_VENV=str(VLLM_VENV),
                              STITCH_SGLANG_VENV=str(SGLANG_VENV)))
-    print(f"unknown command {what!r}; use demo | test | setup | gpu-check | gpu-bundle",
-          file=sys.stderr)
-    return 2
+    raise AssertionError(what)  # every name in COMMANDS is handled above
 
 
 if __name__ == "__main__":

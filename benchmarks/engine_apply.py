@@ -388,6 +388,7 @@ def engine_job(job_path: str) -> None:
                     "gather_s": st["gather_s"], "gather_rank_s": st["gather_rank_s"],
                     "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
                     "pause_s": st["pause_s"], "total_s": st["total_s"],
+                    "batches": st.get("batches"),
                     "index_put_s": base.index_put_s, "index_put_elements": base.elements,
                     "prebuild_s": st.get("prebuild_s"), "prebuilt": st.get("prebuilt"),
                     "derived_ahead": st.get("derived_ahead"),
@@ -723,6 +724,8 @@ A_ROW_COLS = [
     ("ns per changed elem (write - re-pack)", lambda r, s, n: f"{r['ns_per_elem']:.0f}", True),
     ("ns per changed elem (rank write)", lambda r, s, n: f"{r['ns_per_elem']:.0f}", False),
     ("coordinator pause ms", lambda r, s, n: _ms(r["pause_s"]), None),
+    # over STITCH_APPLY_MEMORY an apply is decoded in batches, the later ones inside the pause
+    ("batches", lambda r, s, n: str(r.get("batches", "?")), None),
     ("apply total ms", lambda r, s, n: _ms(r["total_s"]), None),
 ]
 

@@ -303,19 +303,32 @@ def _write_without_repacking(worker, chunks):
         for seg in rep.layout.tensors[name].segments:
             ok, eng = seg.locate(pos)
             flat = params[seg.param].data.view(-1)
-            flat.view(torch.int16)[eng] = bits[ok]
+            if flat.dtype == torch.bfloat16:
+                flat.view(torch.int16)[eng] = bits[ok]
+            else:  # an fp32 engine holds the bf16 checkpoint's values widened
+                flat[eng] = bits[ok].view(torch.bfloat16).to(flat.dtype)
 
 
 def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):
     """The check that would have caught the tied lm_head bug: patch the weights of a tied model
-    without re-packing. Where vLLM packs (AVX-512 / AMX hosts), the derived-copy check names the
-    stale copies, the tied lm_head's among them; re-packing by storage clears them. On a host that
-    packs nothing there is no copy to go stale, and the test says so."""
+    without re-packing. Where vLLM packs, the derived-copy check names the stale copies, the tied
+    lm_head's among them; re-packing by storage clears them. A host whose vLLM packs no bf16
+    weights (AVX2 only: no AVX512-BF16, no AMX) runs it with an fp32 engine, which vLLM packs
+    with oneDNN there; a host that packs neither has no copy to go stale, and the test says so."""
     a, _, change = ckpts["qwen3"]
-    llm = _engine(a)
-    try:
+    for dtype in ("bfloat16", "float32"):
+        if dtype == "float32":
+            assert install_cpu_weight_keeper()
+        llm = _engine(a, dtype=dtype)
         kinds = llm.collective_rpc("stitch_derived_report")[0]["kinds"]
-        record_cpu_path(kinds)
+        if kinds:
+            break
+        _shutdown(llm)
+    else:
+        pytest.skip("this host's vLLM packs neither bf16 nor fp32 weights: no packed copy can "
+                    "go stale here")
+    try:
+        record_cpu_path(kinds, dtype)
         llm.collective_rpc("stitch_learn_layout")
         llm.collective_rpc(_write_without_repacking, args=(_chunks(change),))
         stale = llm.collective_rpc("stitch_derived_report")[0]["stale"]
@@ -323,8 +336,6 @@ def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):
         after = llm.collective_rpc("stitch_derived_report")[0]["stale"]
     finally:
         _shutdown(llm)
-    if not kinds:
-        pytest.skip("this host's vLLM packs no bf16 weights: no packed copy can go stale here")
     assert any(s.startswith("lm_head ") for s in stale), stale
     assert any(s.startswith("model.embed_tokens ") for s in stale), stale
     assert "lm_head" in res["repacked"] and after == []

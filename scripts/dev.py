@@ -561,11 +561,12 @@ COMMANDS = ("demo", "test", "setup", "gpu-check", "gpu-bundle")
 
 def main() -> int:
     what = sys.argv[1] if len(sys.argv) > 1 else "test"
-    if what not in COMMANDS:  # answered before any set-up (a venv build takes minutes)
-        print(__doc__ if what in ("-h", "--help", "help") else
-              f"unknown command {what!r}; use {' | '.join(COMMANDS)}",
-              file=sys.stdout if what in ("-h", "--help", "help") else sys.stderr)
-        return 0 if what in ("-h", "--help", "help") else 2
+    if what in ("-h", "--help", "help"):  # answered before any set-up (minutes of venv builds)
+        print(__doc__)
+        return 0
+    if what not in COMMANDS:
+        print(f"unknown command {what!r}; use {' | '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     if what in ("gpu-check", "gpu-bundle"):  # no set-up (gpu-check: runs with no registry)
         return (gpu_check if what == "gpu-check" else gpu_bundle)(sys.argv[2:])
     phases = Phases()

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stitch_core.engine import layout as L
+from stitch_core.engine import scatter
 from stitch_dev.tinymodel import REALISTIC, build_tiny_model
 from stitch_vllm.cpu import install_cpu_weight_keeper
 
@@ -302,11 +303,8 @@ def _write_without_repacking(worker, chunks):
         bits = torch.from_numpy(bits)
         for seg in rep.layout.tensors[name].segments:
             ok, eng = seg.locate(pos)
-            flat = params[seg.param].data.view(-1)
-            if flat.dtype == torch.bfloat16:
-                flat.view(torch.int16)[eng] = bits[ok]
-            else:  # an fp32 engine holds the bf16 checkpoint's values widened
-                flat[eng] = bits[ok].view(torch.bfloat16).to(flat.dtype)
+            # bit for bit into a bf16 engine, widened into an fp32 one
+            scatter.write_bits(params[seg.param].data.view(-1), eng, bits[ok], torch.bfloat16)
 
 
 def test_a_packed_copy_left_stale_is_caught(ckpts, record_cpu_path):

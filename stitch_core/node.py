@@ -136,6 +136,7 @@ class EngineFollower:
                 resume=self.resume if s.pause_steps else None, after_apply=self.after_apply,
                 loader_fallback=s.loader_fallback, rpc_timeout=s.rpc_timeout,
                 load_timeout=s.load_timeout, apply_memory=s.apply_memory,
+                stage_memory=s.stage_memory,
                 decode_threads=s.decode_threads)
             version = await coord.start(self.model_dir, trust=trust or None)
         except Exception as e:

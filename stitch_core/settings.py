@@ -43,6 +43,7 @@ PREFIX = "STITCH_"
 CACHE_MAX_BYTES = 20 << 30  # the node-local cache's cap (versions.cache)
 APPLY_MEMORY = 1 << 30  # patch bytes an apply decodes at a time (engine.coordinator)
 PREBUILD_MEMORY = 2 << 30  # kernels' weight copies a rank builds ahead of a pause (engine.prebuild)
+STAGE_MEMORY = 4 << 30  # a rank's staged plans and bits of an apply over APPLY_MEMORY (coordinator)
 DECODE_THREADS = 4  # threads an apply decodes a batch's chunks with (engine.decode)
 MAX_BODY_BYTES = 64 << 20  # a request body the middleware buffers to salt it (serve.asgi)
 RECONCILE_INTERVAL = 5.0  # seconds between polls of `latest` (versions.follower)
@@ -195,8 +196,15 @@ class Settings(BaseModel):
         "(logged once) ([security.md](security.md)); also the `stitch` CLI's default `--trust`"))
     apply_memory: Bytes = Field(APPLY_MEMORY, description=(
         "bytes of patch the API server decodes at a time: a larger patch is gathered, decoded and "
-        "written in batches, the first while the engine serves, the others inside the pause (one "
-        "transaction); a chunk over it is refused"))
+        "written in batches (one transaction), all before the pause if the version fits "
+        "`STITCH_STAGE_MEMORY`, else the first before and the others inside the pause; a chunk "
+        "over it is refused"))
+    stage_memory: Bytes = Field(STAGE_MEMORY, description=(
+        "per rank, bytes of a patch over `STITCH_APPLY_MEMORY` staged on the ranks ahead of the "
+        "pause (32 bytes per changed element: positions, old and new bits): a version within it "
+        "has every batch decoded while the engine serves and written in one step; a larger one "
+        "has its later batches decoded inside the pause; 0: always the latter "
+        "([engines.md](engines.md#applies-over-the-batch-budget))"))
     prebuild_memory: Bytes = Field(PREBUILD_MEMORY, description=(
         "per rank, bytes of weights whose kernel copies (vLLM's packed CPU layers) an apply "
         "builds ahead, while the engine serves, so that its pause only swaps them in; the copies "
@@ -204,8 +212,8 @@ class Settings(BaseModel):
         "([engines.md](engines.md#packed-cpu-layouts-built-ahead-of-the-pause))"))
     decode_threads: int = Field(DECODE_THREADS, ge=1, le=256, description=(
         "threads the API server decodes a patch's chunks with (at most the host's CPU count); "
-        "batches after the first of a patch over `STITCH_APPLY_MEMORY` are decoded inside the "
-        "pause, so this shortens it "
+        "a patch over `STITCH_APPLY_MEMORY` and `STITCH_STAGE_MEMORY` has its later batches "
+        "decoded inside the pause, so this shortens it "
         "([benchmarks.md](benchmarks.md#parallel-decode))"))
     max_body_bytes: Bytes = Field(MAX_BODY_BYTES, description=(
         "the largest request body a version-controlled route accepts (the middleware reads it "

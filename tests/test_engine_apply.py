@@ -153,8 +153,8 @@ async def test_a_rank_that_writes_wrong_is_undone_everywhere(published, tmp_path
     paths = await _fetch(board, m1, tmp_path)
     real_write = replicas[1].write
 
-    def lying_write(apply_id, values, last=True, staged=False):  # writes, reports a wrong delta
-        out = real_write(apply_id, values, last, staged)  # (a layout bug)
+    def lying_write(apply_id, values, last=True, staged=False, batch=0):  # a wrong delta
+        out = real_write(apply_id, values, last, staged, batch)  # (a layout bug)
         name = next(iter(out.delta))
         out.delta[name] = (out.delta[name] + 1) & fpr.MASK64
         return out
@@ -409,24 +409,108 @@ async def test_start_with_trust_set_proves_the_pulled_dir_against_a_signed_manif
     (d / PULLED_MANIFEST).write_text(unsigned.model_dump_json())
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-pause"])
 @pytest.mark.parametrize("world", [1, 2])
 async def test_patches_over_the_memory_budget_apply_in_batches_bit_exact(published, tmp_path,
-                                                                         world):
-    """A tiny apply budget: every patch is decoded and written in many bounded batches inside
-    one pause (tensors split across batches), with the same result as one batch."""
+                                                                         world, staged):
+    """A tiny apply budget: every patch is decoded in many bounded batches (tensors split across
+    batches), with the same result as one batch: all staged on the ranks before the pause and
+    written in one call per rank (`STITCH_STAGE_MEMORY`), or, with no stage budget, the later
+    ones gathered, decoded and written inside the pause."""
     from stitch_core.engine.coordinator import APPLY_BYTES_PER_ELEMENT
 
     root, views = published
-    engines, _, coord = await _start(root, views, world, name="batched")
+    engines, replicas, coord = await _start(root, views, world, name="batched")
     coord.apply_memory = 900 * APPLY_BYTES_PER_ELEMENT  # 900 elements at a time
+    if not staged:
+        coord.stage_memory = 0
+    calls: list[tuple[bool, bool]] = []  # (last, staged) of rank 0's writes
+    real_write = replicas[0].write
+
+    def counted(apply_id, values, last=True, staged=False, batch=0):
+        calls.append((last, staged))
+        return real_write(apply_id, values, last, staged, batch)
+
+    replicas[0].write = counted
     board = LocalBoard(root / "board")
     f = Follower(board, RUN, coord, served=coord.served, cache_dir=tmp_path / "cache")
     for v in range(1, 5):
+        calls.clear()
         await f.catch_up(v)
         assert coord.version == v
         assert all(_same(a, b) for a, b in zip(engines, _engines(world, views[v]), strict=True))
         st = coord.last_apply
         assert st["batches"] >= st["changed"] // 900 >= 2, st
+        if staged:
+            assert st["staged_batches"] == st["batches"] and calls == [(True, True)], (st, calls)
+        else:
+            assert st["staged_batches"] == 0 and len(calls) == st["batches"], (st, calls)
+        assert not replicas[0]._plans and replicas[0]._ahead.values(replicas[0]._plan_id) is None
+    assert (await coord.verify())["ok"]
+
+
+async def test_a_late_batch_that_decodes_wrong_is_refused_before_anything_is_written(
+        published, tmp_path, monkeypatch):
+    """Staged, every batch is decoded and checked before the pause: a chunk of a late batch that
+    decodes to other values fails the apply with no rank having written anything."""
+    from stitch_core.engine import decode
+    from stitch_core.engine.coordinator import APPLY_BYTES_PER_ELEMENT
+
+    root, views = published
+    engines, replicas, coord = await _start(root, views, 2, name="latewrong")
+    coord.apply_memory = 1000 * APPLY_BYTES_PER_ELEMENT
+    board = LocalBoard(root / "board")
+    m1 = await read_manifest(board, RUN, 1)
+    paths = await _fetch(board, m1, tmp_path)
+    writes, gathers = [], []
+    for r in replicas:
+        real_write, real_gather = r.write, r.gather
+        r.write = lambda *a, _w=real_write, **k: writes.append(a) or _w(*a, **k)
+        r.gather = lambda aid, pos, batch=0, _g=real_gather: gathers.append(batch) or _g(
+            aid, pos, batch)
+    real_decode, wrong = decode.decode_chunk, []
+
+    def late_wrong(*a, **k):  # the first chunk of the third batch decodes one bit off
+        v = real_decode(*a, **k)
+        if max(gathers) >= 2 and not wrong:
+            wrong.append(a[0])
+            v = v.clone()
+            v.view(-1)[0] ^= 1  # integer bits
+        return v
+
+    monkeypatch.setattr(decode, "decode_chunk", late_wrong)
+    with pytest.raises(PatchError, match="fingerprint"):
+        await coord.apply_patch(m1, paths)
+    assert wrong and writes == []  # refused in a later batch, before any write
+    assert coord.version == 0 and (await coord.verify())["ok"]
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
+    monkeypatch.setattr(decode, "decode_chunk", real_decode)
+    await coord.apply_patch(m1, paths)
+    assert coord.last_apply["staged_batches"] == coord.last_apply["batches"] >= 3
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))
+
+
+async def test_a_rank_that_cannot_stage_a_batch_falls_back_to_the_batches_in_the_pause(
+        published, tmp_path):
+    from stitch_core.engine.coordinator import APPLY_BYTES_PER_ELEMENT
+
+    root, views = published
+    engines, replicas, coord = await _start(root, views, 2, name="nostage")
+    coord.apply_memory = 1000 * APPLY_BYTES_PER_ELEMENT
+    board = LocalBoard(root / "board")
+    m1 = await read_manifest(board, RUN, 1)
+    real_prebuild = replicas[1].prebuild
+
+    def full(apply_id, values, batch=0, build=True):
+        if values is not None and batch == 1:
+            raise MemoryError("rank 1 cannot hold another batch")
+        return real_prebuild(apply_id, values, batch, build)
+
+    replicas[1].prebuild = full
+    await coord.apply_patch(m1, await _fetch(board, m1, tmp_path))
+    st = coord.last_apply
+    assert coord.version == 1 and st["staged_batches"] == 0 and st["batches"] >= 3, st
+    assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[1]), strict=True))
     assert (await coord.verify())["ok"]
 
 
@@ -438,17 +522,18 @@ async def test_a_bad_chunk_in_a_late_batch_undoes_the_earlier_batches(published,
     root, views = published
     engines, replicas, coord = await _start(root, views, 2, name="latebad")
     coord.apply_memory = 1000 * APPLY_BYTES_PER_ELEMENT
+    coord.stage_memory = 0  # the later batches written one by one in the pause
     board = LocalBoard(root / "board")
     m1 = await read_manifest(board, RUN, 1)
     paths = await _fetch(board, m1, tmp_path)
     writes = []
     real_write = replicas[1].write
 
-    def counting_write(apply_id, values, last=True, staged=False):
+    def counting_write(apply_id, values, last=True, staged=False, batch=0):
         writes.append((apply_id, last))
         if len(writes) == 4:
             raise RuntimeError("rank 1 fails in the fourth batch")
-        return real_write(apply_id, values, last, staged)
+        return real_write(apply_id, values, last, staged, batch)
 
     replicas[1].write = counting_write
     with pytest.raises(RuntimeError, match="fourth batch"):

@@ -267,3 +267,44 @@ def test_a_source_written_under_two_parameter_names_gets_both_writes():
     part = prebuild._jobs(m, params, {"model.proj.weight": [one], "alias.weight": [two]},
                           1 << 20)[0]
     assert [j.dc for j in part] == []
+
+
+def test_batches_staged_one_by_one_are_built_ahead_together_and_written_in_one_call():
+    # an apply over the batch budget: each batch gathered and staged in turn, the last one
+    # starting the build over all of them; the write installs copies holding every batch's bits
+    m = Tied()
+    rep = _replica(m)
+    bits = NEW.view(torch.int32).numpy()
+    rep.handle(rpc.Gather("a1", {EMB: POS[:2]}, 0))
+    first = rep.handle(rpc.Prebuild("a1", {EMB: bits[:2]}, 0, False))
+    assert first.copies == 0 and m.builds == []  # staged only
+    rep.handle(rpc.Gather("a1", {EMB: POS[2:]}, 1))
+    out = rep.handle(rpc.Prebuild("a1", {EMB: bits[2:]}, 1, True))
+    while not out.done:
+        out = rep.handle(rpc.Prebuild("a1"))
+    assert out.copies == 2
+    w = rep.handle(rpc.Write("a1", {}, staged=True))
+    assert w.ahead == 2 and m.rebuilds == 0
+    assert m.model.embed_tokens.weight.reshape(-1)[POS.astype(np.int64)].tolist() == NEW.tolist()
+    assert derived.stale(m) == [] and torch.equal(m(IDS), _fresh_output(m))
+    assert rep._plans == {} and rep._ahead.values("a1") is None  # let go once written
+    rep.commit("a1")
+
+
+def test_a_batch_staged_for_positions_it_was_not_gathered_with_is_refused_before_the_write():
+    m = Tied()
+    rep = _replica(m)
+    bits = NEW.view(torch.int32).numpy()
+    rep.gather("a1", {EMB: POS[:2]}, 0)
+    with pytest.raises(Exception, match="3 values for 2 positions"):
+        rep.prebuild("a1", {EMB: bits[:3]}, 0, False)
+    with pytest.raises(Exception, match="batch 1 without a matching gather"):
+        rep.prebuild("a1", {EMB: bits[2:]}, 1, True)
+    before = m.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(Exception, match="no bits staged"):
+        rep.write("a1", {}, staged=True)
+    assert torch.equal(m.model.embed_tokens.weight, before)
+    # a new apply drops what the last one staged and planned
+    rep.prebuild("a1", {EMB: bits[:2]}, 0, False)
+    rep.gather("a2", {EMB: POS}, 0)
+    assert rep._ahead.values("a1") is None and list(rep._plans) == [0]

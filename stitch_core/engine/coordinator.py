@@ -1,6 +1,6 @@
 """The node side of an engine follower: decode each patch once, drive every rank, prove the result.
 
-Size: about 390 lines, one job: one apply is one transaction (check, gather, decode, write,
+Size: about 470 lines, one job: one apply is one transaction (check, gather, decode, write,
 prove, commit or undo); splitting its steps over modules would hide the order that makes it
 safe.
 
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from stitch_core.engine import rpc
-from stitch_core.engine.decode import BatchDecoder
+from stitch_core.engine.decode import Batch, BatchDecoder, split_batches
 from stitch_core.engine.ports import ApplyGate
 from stitch_core.engine.proof import EngineStateError, HeldState, Rpc, load_host
 from stitch_core.engine.rpc import index_dtype
@@ -52,10 +52,15 @@ from stitch_core.format.patch import (
     apply_entry,
     check_compatible,
     check_digests,
-    chunk_list,
 )
 from stitch_core.format.stp import PatchError, PatchReader
-from stitch_core.settings import APPLY_MEMORY, DECODE_THREADS, LOAD_TIMEOUT, RPC_TIMEOUT
+from stitch_core.settings import (
+    APPLY_MEMORY,
+    DECODE_THREADS,
+    LOAD_TIMEOUT,
+    RPC_TIMEOUT,
+    STAGE_MEMORY,
+)
 from stitch_core.versions import verified
 from stitch_core.versions.manifest import Manifest
 from stitch_core.versions.served import ServedVersion
@@ -66,6 +71,11 @@ log = logging.getLogger("stitch.engine")
 # old and new bits at int64 and at the tensor's width, the ranks' replies, the RPC copies)
 APPLY_BYTES_PER_ELEMENT = 48
 DEFAULT_APPLY_MEMORY = APPLY_MEMORY  # decoded per batch at most (a patch of any size)
+# what a rank holds per changed element between an apply's gather and its write (engine and HF
+# positions, the selection of its share, old and new bits: 8+8+8+4+4, at most); an apply over the
+# batch budget stages all its batches on the ranks ahead of the pause if the whole version fits
+# the rank-side budget at this rate (a rank holding every changed element: TP=1)
+STAGE_BYTES_PER_ELEMENT = 32
 PREBUILD_POLL = 0.02  # seconds between two asks whether the ranks' builds ahead are done
 Hook = Callable[[], Awaitable[Any]]
 VersionHook = Callable[[int], Awaitable[Any]]
@@ -79,6 +89,7 @@ class Coordinator(HeldState):
                  after_apply: VersionHook | None = None, loader_fallback: bool = False,
                  rpc_timeout: float | None = RPC_TIMEOUT, load_timeout: float | None = LOAD_TIMEOUT,
                  apply_memory: int = DEFAULT_APPLY_MEMORY,
+                 stage_memory: int = STAGE_MEMORY,
                  decode_threads: int = DECODE_THREADS):
         """`gate`: what every apply runs through, and whose served version it records (None: a
         new `ServedVersion`, for a coordinator with no requests to gate)."""
@@ -86,9 +97,12 @@ class Coordinator(HeldState):
         super().__init__(rpc, served=self.gate.served, run=run,
                          loader_fallback=loader_fallback, rpc_timeout=rpc_timeout,
                          load_timeout=load_timeout)
-        # bytes an apply decodes at a time: a patch over it is applied in batches, each one
-        # gathered, decoded and written in the pause after the first (one transaction, one undo)
+        # bytes an apply decodes at a time: a patch over it is applied in batches (one
+        # transaction, one undo), each decoded and staged on the ranks before the pause if the
+        # version fits `stage_memory` per rank, else gathered, decoded and written in the pause
+        # after the first
         self.apply_memory = int(apply_memory)
+        self.stage_memory = int(stage_memory)
         self.decoder = BatchDecoder(decode_threads)  # a batch's chunks decode on its threads
         self.pause, self.resume, self.after_apply = pause, resume, after_apply
         self.last_apply: dict[str, Any] | None = None
@@ -173,23 +187,38 @@ class Coordinator(HeldState):
                          else PatchSet(readers))
                 placed, fallback = await asyncio.to_thread(self._check, patch, m)
                 batches = self._batches(patch, placed)
+                changed = sum(c.count for b in batches for _, segs, _ in b for _, c in segs)
+                expect = {e.name for b in batches for e, _, _ in b}
                 aid = uuid.uuid4().hex
                 fb_new = await asyncio.to_thread(self._decode_fallback, patch, fallback)
-                timing = {"gather_s": 0.0, "gather_rank_s": 0.0, "prebuild_s": 0.0, "prebuilt": 0}
+                timing = {"gather_s": 0.0, "gather_rank_s": 0.0, "prebuild_s": 0.0, "prebuilt": 0,
+                          "staged_batches": 0}
                 running: dict[str, int] = {}
                 # the first batch (a patch within the apply memory: all of it) is decoded while
-                # the engine serves; the others are gathered, decoded and written in the pause
+                # the engine serves
                 first = await self._prepare(patch, batches[0] if batches else [], aid, running,
                                             timing)
-                # a one-batch apply stages its bits on the ranks before the pause (and has them
-                # build the kernels' copies those bits change)
-                staged = len(batches) == 1 and await self._prebuild(aid, first, timing)
-                stats = await self._write(m, aid, self._each(patch, batches, first, aid, running,
-                                                             timing, staged), fb_new)
+                feed = None
+                if len(batches) == 1:
+                    # its bits staged on the ranks before the pause (and the kernels' copies
+                    # those bits change built there)
+                    if await self._prebuild(aid, first, timing):
+                        timing["staged_batches"] = 1
+                        feed = self._staged()
+                elif len(batches) > 1 and changed * STAGE_BYTES_PER_ELEMENT <= self.stage_memory:
+                    # every batch decoded and staged on the ranks before the pause
+                    if await self._stage(patch, batches, first, aid, running, timing):
+                        timing["staged_batches"] = len(batches)
+                        feed = self._staged()
+                    else:  # a rank could not stage: again, the later batches in the pause
+                        aid, running = uuid.uuid4().hex, {}
+                        first = await self._prepare(patch, batches[0], aid, running, timing)
+                if feed is None:  # the others gathered, decoded and written in the pause
+                    feed = self._each(patch, batches, first, aid, running, timing)
+                stats = await self._write(m, aid, feed, expect, fb_new)
             finally:
                 for r in readers:
                     r.close()
-            changed = sum(c.count for b in batches for _, segs, _ in b for _, c in segs)
             stats.update(version=m.version, changed=changed, batches=len(batches), **timing,
                          total_s=time.perf_counter() - t_all, patch_bytes=m.patch_bytes)
             self.patch_bytes_total += m.patch_bytes
@@ -233,49 +262,43 @@ class Coordinator(HeldState):
                 placed.append(e)
         return placed, fb
 
-    def _batches(self, patch, entries) -> list[list[tuple[Any, list[tuple[Any, Any]], bool]]]:
-        """Entries' chunks grouped so that a batch decodes at most `apply_memory` bytes
-        (APPLY_BYTES_PER_ELEMENT per changed element); a tensor may span batches."""
-        limit = max(1, self.apply_memory // APPLY_BYTES_PER_ELEMENT)
-        batches: list[list[tuple[Any, list[tuple[Any, Any]], bool]]] = []
-        cur: list[tuple[Any, list[tuple[Any, Any]], bool]] = []
-        n = 0
-        for e in entries:
-            segs: list[tuple[Any, Any]] = []
-            for reader, c in chunk_list(patch, e):
-                if c.count > limit:
-                    raise PatchError(f"{e.name}: a chunk of {c.count:,} changed elements is over "
-                                     f"this engine's apply budget ({limit:,} elements, "
-                                     f"STITCH_APPLY_MEMORY={self.apply_memory})")
-                if n + c.count > limit:
-                    if segs:
-                        cur.append((e, segs, False))
-                        segs = []
-                    batches.append(cur)
-                    cur, n = [], 0
-                segs.append((reader, c))
-                n += c.count
-            if segs:
-                cur.append((e, segs, True))  # the tensor's last chunk is in this batch
-        if cur:
-            batches.append(cur)
-        return batches
+    def _batches(self, patch, entries) -> list[Batch]:
+        """Batches of at most `apply_memory` bytes (APPLY_BYTES_PER_ELEMENT per element)."""
+        return split_batches(patch, entries, max(1, self.apply_memory // APPLY_BYTES_PER_ELEMENT),
+                             f"STITCH_APPLY_MEMORY={self.apply_memory}")
 
     async def _prepare(self, patch, batch, aid: str, running: dict[str, int],
-                       timing: dict[str, float]) -> dict[str, np.ndarray]:
-        """One batch: decode its positions, gather the old bits from the ranks, decode and check
-        the new values. The new bits per tensor, in position order."""
+                       timing: dict[str, float], index: int = 0) -> dict[str, np.ndarray]:
+        """Batch `index`: decode its positions, gather the old bits from the ranks, decode and
+        check the new values. The new bits per tensor, in position order."""
         plan = await asyncio.to_thread(self.decoder.positions, batch)
         t_g = time.perf_counter()
         gathered: list[rpc.GatherReply] = await self.call_ranks(rpc.Gather(aid, {
             n: p.numpy().astype(index_dtype(int(np.prod(self.shapes[n][0]))))
-            for n, (p, _) in plan.items()}))
+            for n, (p, _) in plan.items()}, index))
         timing["gather_s"] += time.perf_counter() - t_g
         timing["gather_rank_s"] += max((g.seconds for g in gathered), default=0.0)
         return await asyncio.to_thread(self.decoder.values, plan, gathered, running, self.fps)
 
+    async def _stage(self, patch, batches, first: dict[str, np.ndarray], aid: str,
+                     running: dict[str, int], timing: dict[str, Any]) -> bool:
+        """Decode every batch while the engine serves, each one's bits staged on the ranks before
+        the next is gathered (this process holds one batch at a time; the ranks hold every
+        batch's plan and bits until the write), the last with the kernels' copies built ahead.
+        A corrupt batch raises (nothing written); False if a rank could not stage a batch."""
+        values = first
+        for i in range(1, len(batches)):
+            try:
+                await self.call_ranks(rpc.Prebuild(aid, values, i - 1, False))
+            except Exception as e:  # noqa: BLE001 - the in-pause batches are the fallback
+                log.warning("stitch: staging batch %d of %d failed (%s); the later batches are "
+                            "decoded in the pause", i, len(batches), e)
+                return False
+            values = await self._prepare(patch, batches[i], aid, running, timing, i)
+        return await self._prebuild(aid, values, timing, len(batches) - 1)
+
     async def _prebuild(self, aid: str, values: dict[str, np.ndarray],
-                        timing: dict[str, Any]) -> bool:
+                        timing: dict[str, Any], batch: int = 0) -> bool:
         """Stage the write's bits on the ranks while the engine still serves, so that the write
         in the pause carries none, and have them build the kernels' copies of weights those bits
         change (`stitch_core.engine.prebuild`); wait until they have: the pause then installs
@@ -283,7 +306,8 @@ class Coordinator(HeldState):
         if a rank could not stage them; a copy not built in time is rebuilt in the pause."""
         t0 = time.perf_counter()
         try:
-            replies: list[rpc.PrebuildReply] = await self.call_ranks(rpc.Prebuild(aid, values))
+            replies: list[rpc.PrebuildReply] = await self.call_ranks(
+                rpc.Prebuild(aid, values, batch))
             while not all(r.done for r in replies):
                 if time.perf_counter() - t0 > (self.rpc_timeout or 60.0):
                     log.warning("stitch: copies built ahead not ready in %.0f s; the pause "
@@ -309,13 +333,19 @@ class Coordinator(HeldState):
         return True
 
     async def _each(self, patch, batches, first: dict[str, np.ndarray], aid: str,
-                    running: dict[str, int], timing: dict[str, float], staged: bool = False,
-                    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool, bool]]:
-        """(new bits, last batch, staged on the ranks already) per batch."""
-        yield first, len(batches) <= 1, staged
+                    running: dict[str, int], timing: dict[str, float],
+                    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool, bool, int]]:
+        """(new bits, last write, staged on the ranks, batch) per batch: the first decoded
+        already, the others gathered and decoded here (inside the pause)."""
+        yield first, len(batches) <= 1, False, 0
         for i in range(1, len(batches)):
-            yield (await self._prepare(patch, batches[i], aid, running, timing),
-                   i == len(batches) - 1, False)
+            yield (await self._prepare(patch, batches[i], aid, running, timing, i),
+                   i == len(batches) - 1, False, i)
+
+    @staticmethod
+    async def _staged() -> AsyncIterator[tuple[dict[str, np.ndarray], bool, bool, int]]:
+        """One write of every batch staged on the ranks."""
+        yield {}, True, True, 0
 
     def _decode_fallback(self, patch, entries) -> dict[str, torch.Tensor]:
         """Whole tensors for the engine's loader (loader fallback; outside the memory budget),
@@ -324,8 +354,11 @@ class Coordinator(HeldState):
                 for e in entries}
 
     async def _write(self, m: Manifest, aid: str,
-                     batches: AsyncIterator[tuple[dict[str, np.ndarray], bool, bool]],
-                     fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
+                     batches: AsyncIterator[tuple[dict[str, np.ndarray], bool, bool, int]],
+                     expect: set[str], fb_new: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Hold engine steps, write `batches` on every rank, and check that the ranks' read-back
+        deltas of every tensor in `expect` (each one the patch changes) add up to the manifest's
+        change; commit (the version is served) or undo everywhere."""
         async with self.gate.applying(m.version) as handle:
             t0 = time.perf_counter()
             if self.pause is not None:
@@ -337,16 +370,21 @@ class Coordinator(HeldState):
                 try:  # a transaction across ranks: any failure from here on is undone everywhere
                     deltas: dict[str, int] = {}
                     rank_s = 0.0  # per batch the slowest rank, summed
-                    async for new, last, staged in batches:  # one batch, or bounded ones
+                    async for new, last, staged, index in batches:  # all staged, or batches
                         batch_replies = await self.call_ranks(
-                            rpc.Write(aid, {} if staged else new, last, staged))
-                        for name in new:
-                            deltas[name] = (deltas.get(name, 0)
-                                            + sum(r.delta[name] for r in batch_replies))
+                            rpc.Write(aid, {} if staged else new, last, staged, index))
+                        for r in batch_replies:
+                            for name, d in r.delta.items():
+                                deltas[name] = deltas.get(name, 0) + d
                         replies.extend(batch_replies)
                         rank_s += max((r.seconds for r in batch_replies), default=0.0)
+                    if not set(deltas) <= expect:
+                        raise EngineStateError(
+                            f"ranks wrote tensors the patch does not change: "
+                            f"{sorted(set(deltas) - expect)[:5]}; undone")
                     target = m.fingerprints  # a dict built per access: once, not per tensor
-                    for name, got in deltas.items():
+                    for name in expect:
+                        got = deltas.get(name, 0)
                         want = (self.mult[name] * (target[name] - self.fps[name])) & fpr.MASK64
                         if got & fpr.MASK64 != want:
                             raise EngineStateError(

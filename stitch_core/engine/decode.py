@@ -32,15 +32,44 @@ from stitch_core.engine.proof import EngineStateError
 from stitch_core.engine.threads import thread_map
 from stitch_core.format import codec, dtypes
 from stitch_core.format import fingerprint as fpr
-from stitch_core.format.patch import decode_chunk
+from stitch_core.format.patch import chunk_list, decode_chunk
 from stitch_core.format.stp import PatchError
 from stitch_core.settings import DECODE_THREADS
 
 T = TypeVar("T")
 R = TypeVar("R")
 CPU = torch.device("cpu")
+# a tensor's chunks (or those of them in this batch) and whether its last chunk is among them
+Batch = list[tuple[Any, list[tuple[Any, Any]], bool]]
 # per tensor of a batch: its positions in chunk order and (entry, [(chunk, values, n)], last)
 Plan = dict[str, tuple[torch.Tensor, tuple[Any, list[tuple[Any, Any, int]], bool]]]
+
+
+def split_batches(patch, entries, limit: int, budget: str) -> list[Batch]:
+    """Entries' chunks grouped so that a batch holds at most `limit` changed elements; a tensor
+    may span batches. A chunk over `limit` is refused (`budget` names the setting)."""
+    batches: list[Batch] = []
+    cur: Batch = []
+    n = 0
+    for e in entries:
+        segs: list[tuple[Any, Any]] = []
+        for reader, c in chunk_list(patch, e):
+            if c.count > limit:
+                raise PatchError(f"{e.name}: a chunk of {c.count:,} changed elements is over "
+                                 f"this engine's apply budget ({limit:,} elements, {budget})")
+            if n + c.count > limit:
+                if segs:
+                    cur.append((e, segs, False))
+                    segs = []
+                batches.append(cur)
+                cur, n = [], 0
+            segs.append((reader, c))
+            n += c.count
+        if segs:
+            cur.append((e, segs, True))  # the tensor's last chunk is in this batch
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 class BatchDecoder:

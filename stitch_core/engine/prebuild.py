@@ -13,13 +13,18 @@ the new bits into that copy as the write will (`scatter.write_bits`), builds the
 from it and stamps it with its digest. The write then installs each built copy instead of
 rebuilding it (`DerivedCopy.install_ahead`: the module's holders are swapped), only if
 
-* it is the write that was staged: same apply id, one batch, the same bits (compared);
+* it is the write that was staged: same apply id, the whole apply in that one write (every
+  batch staged, or one batch), the same bits (compared);
 * nothing wrote a weight between the copying aside and the write (the replica's write count);
 
 so the sources after the write equal, bit for bit, what the copy was built from, and the stamp is
 theirs; the full checks (`derived.stale`, `/stitch/verify`) re-hash them as they do every copy.
-Anything else (other bits, more batches, a failed or unfinished build) falls back to the
-in-place rebuild in the pause.
+Anything else (other bits, batches written one by one, a failed or unfinished build) falls back
+to the in-place rebuild in the pause.
+
+An apply over the coordinator's batch budget stages its batches' bits one after the other
+(`Stager.stage`, with their gather plans kept by the replica); the last one starts the build over
+all of them, and the write in the pause writes them all in one call.
 
 Memory: the copies built ahead are held until the write, at most `budget` bytes of their sources
 (`STITCH_PREBUILD_MEMORY`); copies beyond it are rebuilt in the pause. The written sources are
@@ -78,6 +83,17 @@ def engine_writes(plan: Mapping[str, tuple[int, list[tuple]]], values: Mapping[s
         for pname, eng, sel, *_ in plan_n:
             new = (bits if sel is None else bits[sel]).to(eng.device)
             out.setdefault(pname, []).append((eng, new, hf_dtype))
+    return out
+
+
+def _batches_writes(plans: Mapping[int, Mapping[str, tuple[int, list[tuple]]]],
+                   batches: Mapping[int, Mapping[str, np.ndarray]],
+                   hf_dtypes: Mapping[str, torch.dtype]) -> Writes:
+    """`engine_writes` of every staged batch (positions of two batches never meet), merged."""
+    out: Writes = {}
+    for b in sorted(batches):
+        for pname, ws in engine_writes(plans[b], batches[b], hf_dtypes).items():
+            out.setdefault(pname, []).extend(ws)
     return out
 
 
@@ -208,11 +224,12 @@ def _build(job: _Job, scratch: Scratch,
 class Prebuild:
     """One apply's copies built ahead on a background thread (`start` makes one)."""
 
-    def __init__(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray],
+    def __init__(self, apply_id: str, writes_seen: int,
+                 values: Mapping[int, Mapping[str, np.ndarray]],
                  jobs: list[_Job], nbytes: int, why: str = "", scratch: Scratch | None = None):
         self.apply_id, self.writes_seen = apply_id, writes_seen
         self.scratch = scratch if scratch is not None else Scratch()
-        self.values = dict(values)
+        self.values = values  # {batch: new bits per tensor}: the bits it was built from
         self.jobs, self.nbytes, self.why = jobs, nbytes, why
         self.t0 = time.perf_counter()
         self.seconds = 0.0
@@ -244,16 +261,16 @@ class Prebuild:
                                  self.seconds if done else time.perf_counter() - self.t0, self.why,
                                  dict(self.phases) if done else {})
 
-    def matches(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray]) -> bool:
-        """Whether a write of `values` is the one staged, with nothing written since."""
+    def matches(self, apply_id: str, writes_seen: int,
+                values: Mapping[int, Mapping[str, np.ndarray]]) -> bool:
+        """Whether a write of `values` ({batch: bits per tensor}) is the one staged, with nothing
+        written since."""
         if apply_id != self.apply_id or writes_seen != self.writes_seen:
             return False
         if values is self.values:  # the staged bits themselves (`rpc.Write.staged`)
             return True
         return (values.keys() == self.values.keys()
-                and all(np.array_equal(np.asarray(values[n]).reshape(-1),
-                                       np.asarray(v).reshape(-1))
-                        for n, v in self.values.items()))
+                and all(_same(values[b], v) for b, v in self.values.items()))
 
     def arm(self) -> None:
         """Offer each built copy to the write's rebuild (`derived.rebuild_from`)."""
@@ -294,63 +311,90 @@ class Prebuild:
         self.disarm()
 
 
+def _same(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        np.array_equal(np.asarray(a[n]).reshape(-1), np.asarray(v).reshape(-1))
+        for n, v in b.items())
+
+
 def start(apply_id: str, writes_seen: int, model: torch.nn.Module,
-          params: Mapping[str, torch.Tensor], plan: Mapping[str, tuple[int, list[tuple]]],
-          values: Mapping[str, np.ndarray], hf_dtypes: Mapping[str, torch.dtype],
+          params: Mapping[str, torch.Tensor],
+          plans: Mapping[int, Mapping[str, tuple[int, list[tuple]]]],
+          values: Mapping[int, Mapping[str, np.ndarray]], hf_dtypes: Mapping[str, torch.dtype],
           budget: int, scratch: Scratch | None = None) -> Prebuild:
-    """Start building ahead the copies a write of `values` through `plan` will change (in
-    `scratch`'s buffers: the rank's, kept between applies)."""
-    writes = engine_writes(plan, values, hf_dtypes)
+    """Start building ahead the copies a write of `values` ({batch: bits per tensor}) through
+    `plans` (the gather plan of each batch) will change (in `scratch`'s buffers: the rank's,
+    kept between applies)."""
+    writes = _batches_writes(plans, values, hf_dtypes)
     jobs, nbytes, why = _jobs(model, params, writes, budget) if budget > 0 else (
         [], 0, "STITCH_PREBUILD_MEMORY is 0")
     return Prebuild(apply_id, writes_seen, values, jobs, nbytes, why, scratch)
 
 
 class Stager:
-    """A rank's builds ahead, one apply at a time: what `RankReplica` owns (its budget, its
-    scratch buffers, the build staged for the next write)."""
+    """A rank's bits staged ahead of a write and the copies built from them, one apply at a time
+    (`RankReplica` owns one: its budget, scratch buffers, the bits and build for the next write)."""
 
     def __init__(self, model: torch.nn.Module, budget: int):
         self.model, self.budget = model, int(budget)
         self.scratch = Scratch()
         self.staged: Prebuild | None = None
+        self.bits: dict[int, dict[str, np.ndarray]] = {}  # {batch: new bits} of `bits_id`
+        self.bits_id: str | None = None
         self.retired: list[object] = []  # old copies replaced by installs, freed at commit
 
-    def start(self, apply_id: str, writes_seen: int, params: Mapping[str, torch.Tensor],
-              plan: Mapping[str, tuple[int, list[tuple]]], values: Mapping[str, np.ndarray],
-              hf_dtypes: Mapping[str, torch.dtype]) -> None:
-        self.drop()
-        self.staged = start(apply_id, writes_seen, self.model, params, plan, values, hf_dtypes,
-                            self.budget, self.scratch)
+    def stage(self, apply_id: str, batch: int, values: Mapping[str, np.ndarray]) -> None:
+        """Hold batch `batch`'s bits for the write of `apply_id` (another apply's are dropped)."""
+        if self.bits_id != apply_id:
+            self.drop()
+            self.bits_id = apply_id
+        if self.staged is not None:  # a build from fewer batches: it would not match
+            self.staged.cancel()
+            self.staged = None
+        self.bits[batch] = dict(values)
 
-    def values(self, apply_id: str) -> dict[str, np.ndarray] | None:
-        """The bits staged for `apply_id`'s write (None: none staged)."""
-        st = self.staged
-        return st.values if st is not None and st.apply_id == apply_id else None
+    def start(self, apply_id: str, writes_seen: int, params: Mapping[str, torch.Tensor],
+              plans: Mapping[int, Mapping[str, tuple[int, list[tuple]]]],
+              hf_dtypes: Mapping[str, torch.dtype]) -> None:
+        """Build ahead the copies the staged bits of every batch of `apply_id` change."""
+        if self.bits_id != apply_id or not self.bits:
+            raise ValueError(f"no bits staged for apply {apply_id}")
+        if self.staged is not None:
+            self.staged.cancel()
+        self.staged = start(apply_id, writes_seen, self.model, params, plans, self.bits,
+                            hf_dtypes, self.budget, self.scratch)
+
+    def values(self, apply_id: str) -> dict[int, dict[str, np.ndarray]] | None:
+        """The bits staged for `apply_id`'s write, per batch (None: none staged)."""
+        return self.bits if self.bits_id == apply_id and self.bits else None
 
     def status(self, apply_id: str) -> rpc.PrebuildReply:
         st = self.staged
         if st is None or st.apply_id != apply_id:
-            return rpc.PrebuildReply(apply_id, 0, 0, True, why="nothing staged for this apply")
+            return rpc.PrebuildReply(apply_id, 0, 0, True, why="nothing built ahead for this apply")
         return st.status()
 
-    def take(self, apply_id: str, writes_seen: int, values: Mapping[str, np.ndarray],
-             one_batch: bool) -> Prebuild | None:
-        """The build staged for exactly this write (one batch, the same bits, nothing written
-        since), or None; any other is dropped."""
+    def take(self, apply_id: str, writes_seen: int,
+             values: Mapping[int, Mapping[str, np.ndarray]], whole: bool) -> Prebuild | None:
+        """The build staged for exactly this write (`whole`: the apply's only write; the same
+        bits, nothing written since), or None; any other is dropped. The staged bits are let go
+        (the write holds what it writes)."""
         st, self.staged = self.staged, None
+        self.bits, self.bits_id = {}, None
         if st is None:
             return None
-        if one_batch and st.matches(apply_id, writes_seen, values):
+        if whole and st.matches(apply_id, writes_seen, values):
             st.stop()  # what is not built by now is rebuilt in the pause
             return st
         st.cancel()
         return None
 
     def drop(self, apply_id: str | None = None) -> None:
-        """Drop the staged build (only if it is `apply_id`'s, when given) and free the copies the
-        last installs replaced."""
+        """Drop the staged bits and build (only if they are `apply_id`'s, when given) and free
+        the copies the last installs replaced."""
         self.retired = []
         if self.staged is not None and apply_id in (None, self.staged.apply_id):
             self.staged.cancel()
             self.staged = None
+        if apply_id in (None, self.bits_id):
+            self.bits, self.bits_id = {}, None

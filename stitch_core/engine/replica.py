@@ -147,7 +147,9 @@ class RankReplica:
         self.on_dirty = on_dirty or (lambda dirty: None)
         self.rank_info = dict(rank_info or {})
         self.layout: Layout | None = None
-        self._plan: dict[str, list[tuple]] = {}
+        # the gather plan of each batch of apply `_plan_id` not written yet: {batch: {tensor:
+        # (positions, [(engine param, engine positions, selection, HF positions, old, old sum)])}}
+        self._plans: dict[int, dict[str, tuple[int, list[tuple]]]] = {}
         self._plan_id: str | None = None
         self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._undo_id: str | None = None
@@ -247,14 +249,19 @@ class RankReplica:
 
     # ------------------------------------------------------------ the apply protocol
 
-    def gather(self, apply_id: str, positions: Mapping[str, np.ndarray]) -> rpc.GatherReply:
-        """Locate HF flat positions on this rank; return the old bits of those it holds."""
+    def gather(self, apply_id: str, positions: Mapping[str, np.ndarray],
+               batch: int = 0) -> rpc.GatherReply:
+        """Locate HF flat positions on this rank; return the old bits of those it holds. The plan
+        is kept as batch `batch` of `apply_id` until that batch is written (a new apply drops
+        every earlier plan and anything staged)."""
         layout = self._layout()
         params = self._params()
-        self._ahead.drop()
-        self._plan, self._plan_id = {}, apply_id
+        if apply_id != self._plan_id:
+            self._ahead.drop()
+            self._plans, self._plan_id = {}, apply_id
         t0 = time.perf_counter()
         out: dict[str, rpc.Held] = {}
+        plans: dict[str, tuple[int, list[tuple]]] = {}
         for name, pb in positions.items():
             tm = layout.tensors.get(name)
             if tm is None:
@@ -296,7 +303,7 @@ class RankReplica:
                 # what it wrote
                 osum = fpr.sum_at(name, hpos_d, bits_d, tm.hf_dtype.itemsize)
                 plan.append((seg.param, eng_d, sel, hpos_d, old, osum))
-            self._plan[name] = (pos.numel(), plan)
+            plans[name] = (pos.numel(), plan)
             if old_bits is None:  # no segment held any position
                 old_bits = torch.zeros(pos.numel(), dtype=idt)
             if complete or (held is not None and bool(held.all())):
@@ -306,40 +313,61 @@ class RankReplica:
                        else torch.zeros(0, dtype=torch.int64))
                 out[name] = rpc.Held(idx.numpy().astype(rpc.index_dtype(pos.numel())),
                                      old_bits[idx].numpy())
+        self._plans[batch] = plans
         return rpc.GatherReply(out, time.perf_counter() - t0)
 
-    def prebuild(self, apply_id: str, values: Mapping[str, np.ndarray] | None
-                 ) -> rpc.PrebuildReply:
-        """Start building ahead the kernels' copies a write of `values` (gathered as `apply_id`)
-        will change, while the engine serves (`stitch_core.engine.prebuild`); `values` None: how
-        far that is."""
+    def prebuild(self, apply_id: str, values: Mapping[str, np.ndarray] | None,
+                 batch: int = 0, build: bool = True) -> rpc.PrebuildReply:
+        """Stage batch `batch`'s bits `values` (gathered as that batch of `apply_id`) for the
+        write; with `build`, start building ahead the kernels' copies the staged bits of every
+        batch will change, while the engine serves (`stitch_core.engine.prebuild`). `values`
+        None: how far that is."""
         if values is not None:
-            if apply_id != self._plan_id:
-                raise ReplicaError(f"prebuild {apply_id} without a matching gather "
-                                   f"({self._plan_id})")
-            layout = self._layout()
-            self._ahead.start(apply_id, self._writes, self._params(), self._plan, values,
-                              {n: layout.tensors[n].hf_dtype for n in values})
+            plans = self._plans.get(batch) if apply_id == self._plan_id else None
+            if plans is None:
+                raise ReplicaError(f"prebuild {apply_id} batch {batch} without a matching gather "
+                                   f"({self._plan_id}, batches {sorted(self._plans)})")
+            for name, vb in values.items():  # refused now, not in the pause
+                if name not in plans:
+                    raise ReplicaError(f"{name}: values for a tensor that was not gathered")
+                if np.asarray(vb).size != plans[name][0]:
+                    raise ReplicaError(f"{name}: {np.asarray(vb).size} values for "
+                                       f"{plans[name][0]} positions")
+            self._ahead.stage(apply_id, batch, values)
+            if build:
+                layout = self._layout()
+                staged = self._ahead.bits
+                self._ahead.start(apply_id, self._writes, self._params(),
+                                  {b: self._plans[b] for b in staged},
+                                  {n: layout.tensors[n].hf_dtype
+                                   for v in staged.values() for n in v})
         return self._ahead.status(apply_id)
 
     def write(self, apply_id: str, values: Mapping[str, np.ndarray],
-              last: bool = True, staged: bool = False) -> rpc.WriteReply:
-        """Write new bits (every position of each gathered tensor, in gather order; `staged`:
-        those `prebuild` was given). An apply written in several batches (same id) rebuilds and
-        proves the derived copies once, with its `last` batch, for every parameter any of its
-        batches wrote (steps are held throughout, so nothing reads a copy in between)."""
+              last: bool = True, staged: bool = False, batch: int = 0) -> rpc.WriteReply:
+        """Write new bits (every position of each gathered tensor of batch `batch`, in gather
+        order; `staged`: those `prebuild` was given, of every batch staged). An apply written in
+        several calls (same id) rebuilds and proves the derived copies once, with its `last`
+        call, for every parameter any of its batches wrote (steps are held throughout, so
+        nothing reads a copy in between)."""
         if apply_id != self._plan_id:
             raise ReplicaError(f"write {apply_id} without a matching gather ({self._plan_id})")
+        todo: Mapping[int, Mapping[str, np.ndarray]]
         if staged:
             got = self._ahead.values(apply_id)
             if got is None:
                 raise ReplicaError(f"write {apply_id}: no bits staged for it")
-            values = got
+            todo = got
+        else:
+            todo = {batch: values}
+        missing = sorted(b for b in todo if b not in self._plans)
+        if missing:
+            raise ReplicaError(f"write {apply_id}: batches {missing} were not gathered")
         layout = self._layout()
         params = self._params()
         t0 = time.perf_counter()
-        ahead = self._ahead.take(apply_id, self._writes, values,
-                                 one_batch=last and self._undo_id != apply_id)
+        ahead = self._ahead.take(apply_id, self._writes, todo,
+                                 whole=last and self._undo_id != apply_id)
         self._writes += 1
         ahead_installed = 0
         undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -347,14 +375,15 @@ class RankReplica:
         deltas: dict[str, int] = {}
         rebuilt: list[str] = []
         rebuild_s = 0.0
+        items = [(self._plans[b], name, vb) for b in sorted(todo) for name, vb in todo[b].items()]
         try:
-            for i, (name, vb) in enumerate(values.items()):
+            for i, (plans, name, vb) in enumerate(items):
                 tm = layout.tensors[name]
                 hf = dtypes.info(tm.hf_dtype)
                 new_all = torch.from_numpy(np.ascontiguousarray(vb).reshape(-1)).view(hf.int_dtype)
-                if name not in self._plan:
+                if name not in plans:
                     raise ReplicaError(f"{name}: values for a tensor that was not gathered")
-                n, plan = self._plan[name]
+                n, plan = plans[name]
                 if new_all.numel() != n:
                     raise ReplicaError(f"{name}: {new_all.numel()} values for {n} positions")
                 d = 0
@@ -373,9 +402,9 @@ class RankReplica:
                     extra = _INEXACT * _inexact(back, tm.hf_dtype)
                     d += (fpr.sum_at(name, hpos, _hf_bits(back, tm.hf_dtype), hf.itemsize)
                           - osum + extra)
-                deltas[name] = d & fpr.MASK64
+                deltas[name] = (deltas.get(name, 0) + d) & fpr.MASK64  # a tensor may span batches
                 if self.failpoints.armed:  # tests: fail here, part of the write done
-                    self.failpoints.hit("write", i + 1, len(values))
+                    self.failpoints.hit("write", i + 1, len(items))
             earlier = self._undo_id == apply_id  # batches of this apply written before
             all_dirty = dirty | (self._dirty if earlier else set())
             if last and all_dirty:
@@ -404,6 +433,8 @@ class RankReplica:
                 ahead.cancel()
             self._restore(undo, dirty)
             raise
+        for b in todo:  # written: its plan is done with (the undo log keeps what it needs)
+            self._plans.pop(b, None)
         if self._undo_id == apply_id:  # a later batch of the same apply: one undo for all
             self._undo.extend(undo)
             self._dirty |= dirty
@@ -439,7 +470,7 @@ class RankReplica:
         if apply_id == self._undo_id:
             self._undo, self._undo_id, self._dirty = [], None, set()
         if apply_id == self._plan_id:
-            self._plan, self._plan_id = {}, None
+            self._plans, self._plan_id = {}, None
         self._ahead.drop(apply_id)
         return rpc.Done(apply_id)
 
@@ -459,7 +490,7 @@ class RankReplica:
         else:
             dirty = set(self._params())
         self.on_dirty(dirty)
-        self._plan, self._plan_id = {}, None
+        self._plans, self._plan_id = {}, None
         return rpc.LoadReply(len(items), time.perf_counter() - t0)
 
     def load_files(self, files: Iterable[str]) -> rpc.LoadReply:
@@ -485,7 +516,7 @@ class RankReplica:
             new[name] = (dtypes.int_view(v) if v.is_floating_point() else v).numpy()
         aid = f"put-{time.monotonic_ns()}"
         self.gather(aid, positions)
-        written = sum(int(eng.numel()) for _, plan in self._plan.values()
+        written = sum(int(eng.numel()) for _, plan in self._plans[0].values()
                       for _, eng, *_ in plan)
         out = self.write(aid, new)
         self.commit(aid)
@@ -498,12 +529,12 @@ class RankReplica:
                 return self.setup(shapes, use_cache)
             case rpc.Sums(names):
                 return rpc.SumsReply(self.sums(names), derived.stale(self.model))
-            case rpc.Gather(aid, positions):
-                return self.gather(aid, positions)
-            case rpc.Prebuild(aid, values):
-                return self.prebuild(aid, values)
-            case rpc.Write(aid, values, last, staged):
-                return self.write(aid, values, last, staged)
+            case rpc.Gather(aid, positions, batch):
+                return self.gather(aid, positions, batch)
+            case rpc.Prebuild(aid, values, batch, build):
+                return self.prebuild(aid, values, batch, build)
+            case rpc.Write(aid, values, last, staged, batch):
+                return self.write(aid, values, last, staged, batch)
             case rpc.Undo(aid):
                 return self.undo(aid)
             case rpc.Commit(aid):

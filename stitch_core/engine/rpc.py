@@ -88,10 +88,13 @@ class SumsReply:
 # ------------------------------------------------------------------ one apply
 @dataclass(frozen=True)
 class Gather:
-    """Apply `id`, step 1: locate these HF flat positions per tensor and return their old bits."""
+    """Apply `id`, step 1: locate these HF flat positions per tensor and return their old bits.
+    An apply over the coordinator's batch budget gathers in batches (`batch` 0, 1, ...; the rank
+    keeps each batch's plan until that batch is written); a new `id` drops every earlier plan."""
 
     id: str
     positions: dict[str, np.ndarray]
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,15 @@ class GatherReply:
 class Write:
     """Apply `id`, step 2: new bits for every gathered position of each tensor, in gather order.
     `last` False: more batches of this apply follow (derived copies are rebuilt with the last).
-    `staged`: the bits are those `Prebuild` carried (`values` is empty): nothing of their size
-    crosses the engine's channel inside the pause."""
+    `staged`: write every batch whose bits `Prebuild` carried, in one call (`values` is empty):
+    nothing of their size crosses the engine's channel inside the pause. Else `values` are the
+    bits of batch `batch` (as gathered)."""
 
     id: str
     values: dict[str, np.ndarray]
     last: bool = True
     staged: bool = False
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,14 +146,18 @@ class WriteReply:
 
 @dataclass(frozen=True)
 class Prebuild:
-    """Apply `id`, between gather and write, while the engine serves: the new bits of a one-batch
-    write, staged on the rank (the `Write` then says `staged` instead of carrying them). The rank
-    also starts building, off to the side, the kernels' copies of weights (packed layouts) those
-    bits will change (`stitch_core.engine.prebuild`); the write installs them instead of
-    rebuilding them in the pause. `values` None: only say how far the building is."""
+    """Apply `id`, between gather and write, while the engine serves: the new bits of batch
+    `batch`, staged on the rank (the `Write` then says `staged` instead of carrying them; an
+    apply over the coordinator's batch budget stages each of its batches in turn). With `build`
+    (the last batch) the rank also starts building, off to the side, the kernels' copies of
+    weights (packed layouts) the staged bits of every batch will change
+    (`stitch_core.engine.prebuild`); the write installs them instead of rebuilding them in the
+    pause. `values` None: only say how far the building is."""
 
     id: str
     values: dict[str, np.ndarray] | None = None
+    batch: int = 0
+    build: bool = True
 
 
 @dataclass(frozen=True)

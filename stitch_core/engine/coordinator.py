@@ -1,6 +1,6 @@
 """The node side of an engine follower: decode each patch once, drive every rank, prove the result.
 
-Size: about 470 lines, one job: one apply is one transaction (check, gather, decode, write,
+Size: about 490 lines, one job: one apply is one transaction (check, gather, decode, write,
 prove, commit or undo); splitting its steps over modules would hide the order that makes it
 safe.
 
@@ -189,32 +189,10 @@ class Coordinator(HeldState):
                 batches = self._batches(patch, placed)
                 changed = sum(c.count for b in batches for _, segs, _ in b for _, c in segs)
                 expect = {e.name for b in batches for e, _, _ in b}
-                aid = uuid.uuid4().hex
                 fb_new = await asyncio.to_thread(self._decode_fallback, patch, fallback)
                 timing = {"gather_s": 0.0, "gather_rank_s": 0.0, "prebuild_s": 0.0, "prebuilt": 0,
                           "staged_batches": 0}
-                running: dict[str, int] = {}
-                # the first batch (a patch within the apply memory: all of it) is decoded while
-                # the engine serves
-                first = await self._prepare(patch, batches[0] if batches else [], aid, running,
-                                            timing)
-                feed = None
-                if len(batches) == 1:
-                    # its bits staged on the ranks before the pause (and the kernels' copies
-                    # those bits change built there)
-                    if await self._prebuild(aid, first, timing):
-                        timing["staged_batches"] = 1
-                        feed = self._staged()
-                elif len(batches) > 1 and changed * STAGE_BYTES_PER_ELEMENT <= self.stage_memory:
-                    # every batch decoded and staged on the ranks before the pause
-                    if await self._stage(patch, batches, first, aid, running, timing):
-                        timing["staged_batches"] = len(batches)
-                        feed = self._staged()
-                    else:  # a rank could not stage: again, the later batches in the pause
-                        aid, running = uuid.uuid4().hex, {}
-                        first = await self._prepare(patch, batches[0], aid, running, timing)
-                if feed is None:  # the others gathered, decoded and written in the pause
-                    feed = self._each(patch, batches, first, aid, running, timing)
+                aid, feed = await self._ahead(patch, batches, changed, timing)
                 stats = await self._write(m, aid, feed, expect, fb_new)
             finally:
                 for r in readers:
@@ -279,6 +257,41 @@ class Coordinator(HeldState):
         timing["gather_s"] += time.perf_counter() - t_g
         timing["gather_rank_s"] += max((g.seconds for g in gathered), default=0.0)
         return await asyncio.to_thread(self.decoder.values, plan, gathered, running, self.fps)
+
+    async def _ahead(self, patch, batches, changed: int, timing: dict[str, Any],
+                     ) -> tuple[str, AsyncIterator[tuple[dict[str, np.ndarray], bool, bool, int]]]:
+        """Everything before the pause, while the engine serves: the first batch (a patch
+        within the apply memory: all of it) gathered, decoded and checked, its bits staged on
+        the ranks (and the kernels' copies they change built there); over the apply memory,
+        every batch in turn if the version fits the stage memory. The apply's id and what the
+        pause writes. A failure (a corrupt batch) has the ranks forget what they hold of it."""
+        aid, running = uuid.uuid4().hex, {}
+        try:
+            first = await self._prepare(patch, batches[0] if batches else [], aid, running,
+                                        timing)
+            if len(batches) == 1:
+                if await self._prebuild(aid, first, timing):
+                    timing["staged_batches"] = 1
+                    return aid, self._staged()
+            elif len(batches) > 1 and changed * STAGE_BYTES_PER_ELEMENT <= self.stage_memory:
+                if await self._stage(patch, batches, first, aid, running, timing):
+                    timing["staged_batches"] = len(batches)
+                    return aid, self._staged()
+                await self._forget(aid)  # a rank could not stage: the later batches in the pause
+                aid, running = uuid.uuid4().hex, {}
+                first = await self._prepare(patch, batches[0], aid, running, timing)
+            return aid, self._each(patch, batches, first, aid, running, timing)
+        except BaseException:
+            await self._forget(aid)
+            raise
+
+    async def _forget(self, aid: str) -> None:
+        """Have the ranks drop an apply nothing was written of (its plans, staged bits and
+        builds ahead: up to `stage_memory` each); best effort, a new apply drops them too."""
+        try:
+            await self.call_ranks(rpc.Commit(aid))
+        except Exception as e:  # noqa: BLE001 - the next apply's gather drops them anyway
+            log.debug("stitch: dropping apply %s on the ranks: %s", aid, e)
 
     async def _stage(self, patch, batches, first: dict[str, np.ndarray], aid: str,
                      running: dict[str, int], timing: dict[str, Any]) -> bool:

@@ -185,7 +185,8 @@ class Undo:
 
 @dataclass(frozen=True)
 class Commit:
-    """Apply `id`, done: forget its undo record and its gather plan."""
+    """Apply `id`, done: forget its undo record, its gather plans and any bits staged for it
+    (also sent for an apply that failed before anything was written: it only forgets)."""
 
     id: str
 

@@ -141,27 +141,35 @@ class Phases:
 
 
 class Background:
-    """Build steps run in order in one thread while the foreground goes on (engine venvs while
-    lint, the wheel check and the main suite run). `wait(name)` blocks until that step is done
-    and fails, with the tail of its log, if it failed."""
+    """Build steps run while the foreground goes on (engine venvs while lint and the main suite
+    run), in lanes: each lane's steps in order on a thread of its own, writing to a log of its
+    own (`log` with the lane's number before the suffix past the first), the lanes side by side.
+    `wait(name)` blocks until that step is done and fails, with the tail of its lane's log, if it
+    or an earlier step of its lane failed."""
 
-    def __init__(self, phases: Phases, log: Path, steps: list[tuple[str, Callable[[], None]]]):
-        self.phases, self.log, self.steps = phases, log, steps
-        self.done = {name: threading.Event() for name, _ in steps}
-        self.errors: dict[str, BaseException] = {}
-        self.failed: str | None = None
-        self.thread = threading.Thread(target=self._work, name="venv-builds", daemon=True)
+    def __init__(self, phases: Phases, log: Path,
+                 lanes: list[list[tuple[str, Callable[[], None]]]]):
+        self.phases, self.lanes = phases, lanes
+        self.logs = [log if i == 0 else log.with_suffix(f".{i + 1}{log.suffix}")
+                     for i in range(len(lanes))]
+        self.log_of = {name: self.logs[i] for i, lane in enumerate(lanes) for name, _ in lane}
+        self.done = {name: threading.Event() for name in self.log_of}
+        self.errors: dict[str, tuple[str, BaseException]] = {}  # step -> (failed step, error)
+        self.threads = [threading.Thread(target=self._work, args=(i,), name=f"venv-builds-{i}",
+                                         daemon=True) for i in range(len(lanes))]
 
     def start(self) -> Background:
-        print(f"building {', '.join(n for n, _ in self.steps)} in the background "
-              f"(log: {self.log})", flush=True)
-        self.thread.start()
+        print(f"building {', '.join(n for n in self.log_of)} in the background "
+              f"(logs: {', '.join(str(x) for x in self.logs)})", flush=True)
+        for t in self.threads:
+            t.start()
         return self
 
-    def _work(self) -> None:
-        with open(self.log, "w") as f:
+    def _work(self, i: int) -> None:
+        steps = self.lanes[i]
+        with open(self.logs[i], "w") as f:
             _OUT.log = f
-            for name, step in self.steps:
+            for k, (name, step) in enumerate(steps):
                 try:
                     with self.phases(name + " (background)"):
                         step()
@@ -169,9 +177,8 @@ class Background:
                     # into the log too: a refusal (need_disk's SystemExit) runs no command, so
                     # the log's tail would otherwise not say why
                     say(f"{name} failed: {type(e).__name__}: {e}")
-                    self.failed = name
-                    for rest, _ in self.steps:  # this step and the later ones (not run)
-                        self.errors.setdefault(rest, e)
+                    for rest, _ in steps[k:]:  # this step and the later ones of its lane
+                        self.errors.setdefault(rest, (name, e))
                         self.done[rest].set()
                     return
                 finally:
@@ -180,11 +187,12 @@ class Background:
     def wait(self, name: str) -> None:
         self.done[name].wait()
         if name in self.errors:
-            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-            print(f"{self.failed} failed in the background ({name} needs it); the end of "
-                  f"{self.log}:\n{tail}",
+            failed, err = self.errors[name]
+            log = self.log_of[name]
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            print(f"{failed} failed in the background ({name} needs it); the end of "
+                  f"{log}:\n{tail}",
                   file=sys.stderr, flush=True)
-            err = self.errors[name]
             raise err if isinstance(err, subprocess.CalledProcessError) else \
                 subprocess.CalledProcessError(1, name)
 
@@ -200,6 +208,17 @@ def need_disk(venv: Path, gb: int, what: str) -> None:
     if free < gb + 1:
         sys.exit(f"the {what} venv {venv} needs about {gb} GB and {where} has {free:.1f} GB free: "
                  "free some disk, or point STITCH_VLLM_VENV / STITCH_SGLANG_VENV elsewhere")
+
+
+def _need_disk_for_both() -> None:
+    """Both engine venvs built at once on one file system: refuse early unless it holds both
+    (each build checks its own share only)."""
+    todo = [(v, VENV_GB[k]) for v, k in ((VLLM_VENV, "vllm"),
+                                         (SGLANG_VENV, "sglang-gpu" if has_gpu() else "sglang"))
+            if not (v / "bin" / "python").exists()]
+    devs = {next(p for p in (v, *v.parents) if p.exists()).stat().st_dev for v, _ in todo}
+    if len(todo) == 2 and len(devs) == 1:
+        need_disk(todo[1][0], todo[0][1] + todo[1][1], "vLLM + SGLang")
 
 
 _WHEEL: list[Path] = []
@@ -453,14 +472,18 @@ def engine_suites(env: dict[str, str], phases: Phases, bg: Background) -> None:
 
 def test(env: dict[str, str], phases: Phases) -> int:
     """Lint and the main suite in the foreground while the engine venvs and the wheel check's
-    clean venv build in the background (niced; mostly downloads and unpacking); then the vLLM
+    clean venv build in the background (niced; mostly downloads and unpacking; the SGLang venv
+    beside the other two); then the vLLM
     and the SGLang suites side by side (engine_suites), each as soon as its venv is built; the
     wheel check's result is awaited last. A table of the phases' wall times ends the output,
     also when a phase failed; each suite prints its slowest tests."""
+    # two lanes side by side (mostly downloads and unpacking, niced): the SGLang venv no longer
+    # waits for the vLLM venv, nor its suite for both
     bg = Background(phases, ROOT / ".venv-builds.log",
-                    [("vLLM venv", setup_vllm), ("SGLang venv", setup_sglang),
-                     ("wheel check (clean venv)", check_wheel)])
+                    [[("vLLM venv", setup_vllm), ("wheel check (clean venv)", check_wheel)],
+                     [("SGLang venv", setup_sglang)]])
     wheel()  # built once, before the builds that install it start
+    _need_disk_for_both()
     bg.start()
     try:
         with phases("ruff"):
